@@ -1,0 +1,56 @@
+"""The attention backend interface that every backend implements.
+
+One KV layout for all backends: per layer, ``k_cache`` and ``v_cache`` are each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Packed tensors are
+``[num_tokens, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from pagedkv.core.attention_metadata import AttentionMetadata
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Operations the model runner needs from an attention backend."""
+
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter ``key``/``value`` rows ``[T, Hkv, D]`` into their slots; slot -1 is skipped."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal paged attention of packed ``query`` ``[T, H, D]``; returns ``[T, H, D]``.
+
+        Keys come only from the cache (written before this call), so decodes
+        and prefill chunks with earlier context are handled the same way.
+        """
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
+        """For every layer, copy block ``pairs[i, 0]`` onto block ``pairs[i, 1]`` (int64 ``[N, 2]``)."""
+
+    def swap_blocks(
+        self,
+        src: list[tuple[torch.Tensor, torch.Tensor]],
+        dst: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: torch.Tensor,
+    ) -> None:
+        """Copy blocks between two caches (e.g. device and CPU): ``src[pairs[i,0]] -> dst[pairs[i,1]]``."""

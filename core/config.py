@@ -1,0 +1,110 @@
+"""The one engine configuration: validated on construction, passed whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.core.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ConfigError(f"dtype {value} is not supported; use float32, bfloat16 or float16")
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16") from None
+
+
+def parse_bytes(value: int | str) -> int:
+    """Accept ``1073741824``, ``"1GiB"``, ``"512MiB"``, ``"2GB"``."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    for suffix, scale in units.items():
+        if text.lower().endswith(suffix):
+            number = text[: -len(suffix)]
+            try:
+                return int(float(number) * scale)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"cannot read {value!r} as a size in bytes (e.g. 1GiB, 512MiB, 1000000)") from None
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know, checked once here.
+
+    The KV budget is given by exactly one of ``num_blocks``, ``kv_cache_memory``
+    (bytes) or, on CUDA, ``gpu_memory_utilization`` (fraction of the device
+    left after profiling the model's peak). With none given, CPU runs get 1 GiB.
+    """
+
+    model: str | None = None
+    backend: str = "torch"
+    allocator: str = "paged"
+    scheduler: str = "fcfs"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    dtype: str | torch.dtype = "float32"
+    device: str = "auto"
+    seed: int = 0
+    plugins: dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+        self.dtype = parse_dtype(self.dtype)
+        if self.dtype == torch.float16 and self.device == "cpu":
+            raise ConfigError("float16 runs only on CUDA (CPU has no fast fp16 path); use float32 or bfloat16")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+            raise ConfigError(f"block_size must be an integer in 1..256, got {self.block_size!r}")
+        budgets = [x is not None for x in (self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization)]
+        if sum(budgets) > 1:
+            raise ConfigError("give only one of num_blocks, kv_cache_memory and gpu_memory_utilization")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ConfigError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ConfigError("kv_cache_memory must be positive")
+        if self.gpu_memory_utilization is not None:
+            if not self.device.startswith("cuda"):
+                raise ConfigError("gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory")
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+        if not self.backend or not isinstance(self.backend, str):
+            raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")

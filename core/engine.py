@@ -1,0 +1,356 @@
+"""The engine: add requests, step, abort. Owns the pool, allocator, scheduler and model runner.
+
+One step is a straight line: schedule -> build metadata and run the model ->
+sample -> append tokens, finish sequences, free blocks -> emit events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.errors import ConfigError, RequestRejected
+from pagedkv.core.events import EventLog
+from pagedkv.core.kv_cache import KVCacheSpec
+from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
+from pagedkv.core.sampler import Sampler
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.scheduler import SchedulerOutput
+from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from pagedkv.core.stats import RunStats
+
+log = logging.getLogger("pagedkv")
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_DEFAULT_GPU_UTILIZATION = 0.9
+
+
+class Engine:
+    """Streaming inference over a paged KV cache.
+
+    ``model``/``tokenizer`` may be given already loaded (tests build tiny ones);
+    otherwise ``config.model`` is loaded offline.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        plugins: tuple[Any, ...] = (),
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.pm = make_plugin_manager(plugins)
+        backends = build_registry(self.pm, "backend", "pagedkv_register_backends")
+        allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators")
+        schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers")
+        backend_entry = backends.get(config.backend)  # fail on a bad name before loading anything
+        allocator_entry = allocators.get(config.allocator)
+        scheduler_entry = schedulers.get(config.scheduler)
+
+        if model is None:
+            from pagedkv.core.model_loader import load_model
+
+            model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+        else:
+            model = model.to(device=config.device, dtype=config.dtype).eval()
+        self.model, self.tokenizer = model, tokenizer
+        self.backend = backend_entry.factory(config)
+
+        hf_config = model.config
+        self.vocab_size = hf_config.vocab_size
+        self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
+        self.num_blocks = self._decide_num_blocks()
+        self.capacity_tokens = self.num_blocks * config.block_size
+        self.max_model_len = self._decide_max_model_len(hf_config)
+
+        self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
+        pool_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_on_block_released") else None
+        self.pool = BlockPool(self.num_blocks, hooks=pool_hooks, events=self.events)
+        alloc_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_match_prefix") else None
+        self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
+        self.scheduler = scheduler_entry.factory(config, self.allocator, self.events)
+        self._block_full_hook = self.pm.hook.pagedkv_on_block_full if has_impls(
+            self.pm, "pagedkv_on_block_full"
+        ) else None
+
+        from pagedkv.core.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.stats = RunStats()
+        self._groups: dict[str, list[Sequence]] = {}
+        self._seq_keys: dict[int, int] = {}
+        self._ids = itertools.count()
+
+    # --- sizing -------------------------------------------------------------------------------------
+
+    def _decide_num_blocks(self) -> int:
+        c = self.config
+        per_block = self.spec.bytes_per_block
+        if c.num_blocks is not None:
+            return c.num_blocks
+        if c.kv_cache_memory is not None:
+            budget = int(c.kv_cache_memory)
+        elif c.device.startswith("cuda"):
+            budget = self._profile_gpu_budget(c.gpu_memory_utilization or _DEFAULT_GPU_UTILIZATION)
+        else:
+            budget = _DEFAULT_CPU_KV_BYTES
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ConfigError(
+                f"the KV budget ({budget} bytes) is below one block ({per_block} bytes at block_size "
+                f"{c.block_size}); give a larger kv_cache_memory or a smaller block_size"
+            )
+        return blocks
+
+    def _profile_gpu_budget(self, utilization: float) -> int:
+        """vLLM's way: run the largest step once, then give the KV cache what is left."""
+        device = torch.device(self.config.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        tokens = min(self.config.max_num_batched_tokens, 2048)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=device), use_cache=False)
+        peak = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * utilization) - peak
+
+    def _decide_max_model_len(self, hf_config: Any) -> int:
+        model_limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+        wanted = self.config.max_model_len
+        if wanted is not None and model_limit is not None and wanted > model_limit:
+            raise ConfigError(f"max_model_len {wanted} is above the model's limit of {model_limit} positions")
+        limit = wanted or model_limit or self.capacity_tokens
+        return min(limit, self.capacity_tokens)
+
+    def capacity_line(self) -> str:
+        c = self.config
+        return (
+            f"KV cache: {self.num_blocks} blocks of {c.block_size} tokens = {self.capacity_tokens} tokens; "
+            f"max concurrency for {self.max_model_len}-token requests: "
+            f"{self.capacity_tokens / self.max_model_len:.2f}x"
+        )
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("a text prompt needs a tokenizer; pass token ids instead")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
+        params = params or SamplingParams()
+        text, token_ids = self.encode_prompt(prompt)
+        self._validate(token_ids)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        seqs = []
+        for index in range(params.n):
+            sample_params = params
+            if params.n > 1 and params.seed is not None:
+                sample_params = _with_seed(params, params.seed + index)
+            seq = Sequence(
+                request_id=request_id,
+                prompt_token_ids=list(token_ids),
+                params=sample_params,
+                max_len=self.max_model_len,
+                prompt=text,
+            )
+            self._seq_keys[id(seq)] = next(self._ids)
+            seqs.append(seq)
+        self._groups[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(token_ids) * params.n
+        self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
+        return request_id
+
+    def _validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestRejected("the prompt is empty; give at least one token")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
+            raise RequestRejected(f"prompt token ids must be integers in 0..{self.vocab_size - 1}")
+        if len(token_ids) > self.max_model_len:
+            if self.max_model_len == self.capacity_tokens:
+                raise RequestRejected(
+                    f"the prompt has {len(token_ids)} tokens but the whole KV cache holds only "
+                    f"{self.capacity_tokens} ({self.num_blocks} blocks of {self.config.block_size}); "
+                    "give a larger KV budget or a shorter prompt"
+                )
+            raise RequestRejected(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
+        seqs = self._groups.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self._forget(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """Run one engine step. Returns outputs of requests that finished (and, if
+        ``stream``, of those that produced a token)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress; this is a bug in pagedkv")
+            return []
+        logits = self.runner.execute(out)
+        touched = self._update(out, logits)
+        self._observe(out)
+        outputs = []
+        for request_id in touched:
+            seqs = self._groups[request_id]
+            finished = all(s.is_finished for s in seqs)
+            if finished or stream:
+                outputs.append(self._make_output(request_id, seqs, finished))
+            if finished:
+                del self._groups[request_id]
+                for seq in seqs:
+                    self._forget(seq)
+        return outputs
+
+    def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[str]:
+        sampling = []
+        for item in out.scheduled:
+            seq = item.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if self._block_full_hook is not None:
+                self._report_full_blocks(seq, before)
+            if item.samples:
+                sampling.append(seq)
+        if not sampling:
+            return []
+        keys = [self._seq_keys[id(s)] for s in sampling]
+        banned = [self._banned(s) for s in sampling]
+        tokens = self.sampler.sample(logits, sampling, keys, banned)
+        touched: dict[str, None] = {}
+        for seq, token in zip(sampling, tokens):
+            seq.output_token_ids.append(token)
+            self.stats.generated_tokens += 1
+            self._check_finish(seq, token)
+            touched[seq.request_id] = None
+        return list(touched)
+
+    def _report_full_blocks(self, seq: Sequence, before: int) -> None:
+        bs = self.config.block_size
+        for logical in range(before // bs, seq.num_computed_tokens // bs):
+            self._block_full_hook(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids)
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason, stop_reason = None, None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len:
+            reason = "length"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            for s in p.stop:
+                cut = text.find(s)
+                if cut >= 0:
+                    seq.output_text = text[:cut]
+                    reason, stop_reason = "stop", s
+                    break
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            self.stats.finished += 1
+
+    def _observe(self, out: SchedulerOutput) -> None:
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        self.stats.tokens_recomputed = sum(r.tokens_discarded for r in self.scheduler.preemptions)
+        running = self.scheduler.running
+        held = sum(s.num_computed_tokens for s in running)
+        self.stats.observe_memory(self.pool.num_used, held, self.config.block_size, len(running))
+        if self.events.enabled:
+            self.pm.hook.pagedkv_on_step_events(events=self.events.drain())
+
+    def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
+        completions = []
+        for index, seq in enumerate(seqs):
+            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                seq.output_text = self._decode(seq.output_token_ids)
+            completions.append(
+                CompletionOutput(index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
+            )
+        first = seqs[0]
+        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _forget(self, seq: Sequence) -> None:
+        key = self._seq_keys.pop(id(seq), None)
+        if key is not None:
+            self.sampler.forget(key)
+
+    def check_invariants(self) -> None:
+        """Every block is free, owned by exactly its holders, or kept; used by tests."""
+        self.pool.check()
+        holders: dict[int, int] = {}
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
+            for block_id in seq.block_table:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, refs in enumerate(self.pool.ref_counts):
+            assert refs == holders.get(block_id, 0), f"block {block_id}: ref {refs}, held {holders.get(block_id)}"
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+        break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,80 @@
+"""The pluggy hook specifications: the contract between the core and plugins.
+
+Registrar hooks run once at engine start-up and fill typed registries; the hot
+path then calls plain methods on the chosen objects. Decision hooks
+(``firstresult=True``) pick one answer; observer hooks are broadcast, batched
+per step. No hook is called per layer or per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "pagedkv"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- registrars (called once, when the engine builds its registries) ---------------------------
+
+
+@hookspec
+def pagedkv_register_backends(register: Any) -> None:
+    """Register attention backends.
+
+    Call ``register(name, factory, description)``; ``factory(config)`` returns an
+    object implementing :class:`pagedkv.backends.base.AttentionBackend`. Import
+    heavy frameworks inside ``factory``, never at module import.
+    """
+
+
+@hookspec
+def pagedkv_register_allocators(register: Any) -> None:
+    """Register block allocators: ``register(name, factory, description)``; ``factory(pool, config)``."""
+
+
+@hookspec
+def pagedkv_register_schedulers(register: Any) -> None:
+    """Register schedulers: ``register(name, factory, description)``; ``factory(config, allocator, pm)``."""
+
+
+# --- decision points (first non-None answer wins) ----------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pagedkv_match_prefix(seq: Any, allocator: Any) -> list[int] | None:
+    """A new request starts: return physical block ids already holding its first full blocks.
+
+    The core takes a reference on each returned block and skips computing their
+    tokens. The match must leave at least one prompt token to compute.
+    """
+
+
+@hookspec(firstresult=True)
+def pagedkv_choose_preemption(seq: Any, scheduler: Any) -> str | None:
+    """The scheduler must preempt ``seq``: answer ``"swap"`` or ``"recompute"`` (default)."""
+
+
+@hookspec(firstresult=True)
+def pagedkv_on_block_released(block_id: int, pool: Any) -> bool | None:
+    """A block's ref count reached 0: return True to keep it (e.g. cached) instead of freeing it."""
+
+
+@hookspec(firstresult=True)
+def pagedkv_reclaim_blocks(pool: Any, num_blocks: int) -> int | None:
+    """The free pool is short of ``num_blocks``: free kept blocks (e.g. evict cache) and return how many."""
+
+
+# --- observers (broadcast) -----------------------------------------------------------------------
+
+
+@hookspec
+def pagedkv_on_block_full(seq: Any, logical_index: int, block_id: int) -> None:
+    """A sequence's block ``logical_index`` (physical ``block_id``) now holds ``block_size`` computed tokens."""
+
+
+@hookspec
+def pagedkv_on_step_events(events: list[Any]) -> None:
+    """The telemetry events of one step (block and request state changes), in order."""

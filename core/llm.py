@@ -1,0 +1,80 @@
+"""The offline API in vLLM's shape: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.engine import Engine
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sequence import RequestOutput
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    Keyword arguments are :class:`EngineConfig` fields (``backend``,
+    ``block_size``, ``kv_cache_memory``, ``num_blocks``, ``max_model_len``, ...).
+    """
+
+    def __init__(
+        self, model: str | None = None, *, hf_model: Any = None, tokenizer: Any = None, **config: Any
+    ) -> None:
+        plugins = config.pop("plugins_objects", ())
+        self.engine = Engine(EngineConfig(model=model, **config), model=hf_model, tokenizer=tokenizer, plugins=plugins)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        Every prompt is checked before any runs, so a bad one raises
+        :class:`~pagedkv.core.errors.RequestRejected` without doing work.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        engine = self.engine
+        for prompt in prompts:
+            engine._validate(engine.encode_prompt(prompt)[1])
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids)) if use_tqdm else None
+        while engine.has_unfinished():
+            for output in engine.step(stream=False):
+                results[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

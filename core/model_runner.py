@@ -1,0 +1,63 @@
+"""Runs the HF model on one packed batch per step.
+
+All scheduled tokens of all sequences go in one row ``[1, total_tokens]`` with
+explicit ``position_ids``; HF's own cache is off, the KV lives in our paged
+cache, and logits are computed only at the rows that sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.hf_attention import ATTENTION_NAME, StepContext, register_attention
+from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedkv.core.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str) -> None:
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model
+        self.backend = backend
+        self.spec = spec
+        self.device = device
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+
+    def build_metadata(self, out: SchedulerOutput) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            block_tables=[s.seq.block_table.blocks for s in out.scheduled],
+            context_lens=[s.context_len for s in out.scheduled],
+            query_lens=[s.num_new_tokens for s in out.scheduled],
+            block_size=self.spec.block_size,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[num_sampling_seqs, vocab]`` in scheduled order."""
+        if out.block_copies:
+            pairs = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(self.kv_caches, pairs)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for item in out.scheduled:
+            tokens = item.seq.token_ids[item.context_len : item.context_len + item.num_new_tokens]
+            input_ids.extend(tokens)
+            positions.extend(range(item.context_len, item.context_len + item.num_new_tokens))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        meta = self.build_metadata(out)
+        step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches)
+        result = self.model(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            pagedkv_step=step,
+        )
+        return result.logits[0].float()

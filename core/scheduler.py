@@ -1,0 +1,143 @@
+"""FCFS continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running sequences go first (oldest first): a
+decode costs one token, an unfinished prompt takes the next chunk that fits.
+Waiting sequences are then admitted in arrival order while budget, sequence
+slots and blocks last. When a running sequence needs a block and none is left,
+the newest running sequence is preempted: its blocks are freed and it goes
+back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.core.events import EventLog
+from pagedkv.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    context_len: int  # tokens already cached before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new one is sampled."""
+        return self.context_len + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class PreemptionRecord:
+    request_id: str
+    step: int
+    tokens_discarded: int
+
+
+class FCFSScheduler:
+    name = "fcfs"
+
+    def __init__(self, config: Any, allocator: Any, events: EventLog | None = None) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.allocator = allocator
+        self.events = events or EventLog()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions: list[PreemptionRecord] = []
+        self.step_index = 0
+
+    # --- queue management ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues and give back its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.events.emit("request_finish", request=seq.request_id, reason=reason)
+
+    # --- the step decision ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            while not self.allocator.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the sequence preempted itself: nothing newer is left to run
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        for item in out.scheduled:
+            self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.allocator.match_prefix(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            if not self.allocator.allocate_slots(seq, num_new):
+                if seq.num_computed_tokens:  # give back a prefix match it cannot use yet
+                    self.allocator.free(seq)
+                    seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free everything; the tokens are recomputed when it runs again."""
+        discarded = seq.num_computed_tokens
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.preemptions.append(PreemptionRecord(seq.request_id, self.step_index, discarded))
+        self.events.emit("request_preempt", request=seq.request_id, tokens_discarded=discarded)
