@@ -1,0 +1,83 @@
+"""The inner loop shared by the paged attention kernels: online softmax over a range of cached keys.
+
+A program holds ``BLOCK_M`` query rows (query tokens x the query heads of one KV
+head, so every K/V tile is read once for the whole GQA group) and walks the keys
+``[kv_start, kv_end)`` of one sequence in tiles of ``TILE_N`` positions. Each
+position is mapped to its physical block through the block table, so any cache
+block size works and a tile may span several blocks. Addresses are int64.
+
+Everything is converted to fp32 right after loading: the interpreter computes
+bf16 arithmetic wrongly, and fp32 accumulation is what the GPU wants as well.
+Scores are kept in base 2 (``q`` arrives pre-multiplied by ``scale * log2(e)``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def online_softmax_over_kv(
+    q,  # [BLOCK_M, D_PAD] fp32, pre-scaled by scale * log2(e); padded rows/columns are 0
+    acc,  # [BLOCK_M, D_PAD] fp32, unnormalised output so far
+    m_i,  # [BLOCK_M] fp32, running max (base 2), -inf when nothing seen yet
+    l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
+    q_pos,  # [BLOCK_M] int32, absolute position of each row: it sees keys at positions <= q_pos
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    kv_start,
+    kv_end,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, D_PAD).to(tl.int64)
+    d_mask = offs_d < HEAD_DIM
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    for start in range(kv_start, kv_end, TILE_N):
+        pos = start + offs_n
+        n_mask = pos < kv_end
+        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)
+        tile_mask = n_mask[:, None] & d_mask[None, :]
+
+        k_rows = block * stride_kb + in_block * stride_ks + k_head
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
+        s = _dot(q, tl.trans(k.to(tl.float32)), IEEE)  # [BLOCK_M, TILE_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_rows = block * stride_vb + in_block * stride_vs + v_head
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
