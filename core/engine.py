@@ -215,6 +215,7 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one engine step. Returns outputs of requests that finished (and, if
         ``stream``, of those that produced a token)."""

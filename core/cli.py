@@ -1,0 +1,162 @@
+"""The `engine` command: `engine run` (default model, demo workload) and friends."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from pagedkv.core.errors import PagedKVError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description="pagedkv: a PagedAttention inference engine")
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary")
+    run.add_argument("--model", default=None, help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
+    run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
+    run.add_argument("--block-size", type=int, default=16)
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 512MiB)")
+    budget.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks")
+    budget.add_argument("--gpu-memory-utilization", type=float, default=None, help="CUDA only, e.g. 0.9")
+    run.add_argument("--max-model-len", type=int, default=None)
+    run.add_argument("--max-num-seqs", type=int, default=128)
+    run.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    run.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
+    run.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
+    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["run", *(argv or [])])
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+    except PagedKVError as exc:
+        print(f"engine: error: {exc}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.demo import DEMO_PROMPTS
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.llm import apply_chat_template
+    from pagedkv.core.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=args.model,
+        backend=args.backend,
+        allocator=args.allocator,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+    engine = Engine(config)
+    if not args.json:
+        print(engine.capacity_line(), flush=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or DEMO_PROMPTS
+    ids = {}
+    for prompt in prompts:
+        token_ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
+        ids[engine.add_request(token_ids, params)] = prompt
+    started = time.perf_counter()
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step(stream=False):
+            results[out.request_id] = out
+    engine.stats.elapsed = time.perf_counter() - started
+    summary = summarize(engine)
+    completions = [
+        {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
+        for rid in ids
+    ]
+    if args.json:
+        print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
+    else:
+        print_report(completions, summary)
+    return 0
+
+
+def capacity(engine: Any) -> dict:
+    return {
+        "num_blocks": engine.num_blocks,
+        "block_size": engine.config.block_size,
+        "tokens": engine.capacity_tokens,
+        "max_model_len": engine.max_model_len,
+        "max_concurrency": engine.capacity_tokens / engine.max_model_len,
+        "backend": engine.config.backend,
+        "device": engine.config.device,
+        "dtype": str(engine.config.dtype).replace("torch.", ""),
+    }
+
+
+def summarize(engine: Any) -> dict:
+    s = engine.stats
+    return {
+        "requests": s.requests,
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "elapsed_s": round(s.elapsed, 3),
+        "tokens_per_s": round(s.tokens_per_s, 2),
+        "steps": s.steps,
+        "peak_kv_blocks_used": s.peak_blocks_used,
+        "total_kv_blocks": engine.num_blocks,
+        "kv_waste_pct_at_peak": round(100 * s.waste_at_peak, 2),
+        "peak_running": s.peak_running,
+        "preemptions": s.preemptions,
+        "tokens_recomputed": s.tokens_recomputed,
+        "blocks_free_at_end": engine.pool.num_free,
+    }
+
+
+def print_report(completions: list[dict], summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for item in completions:
+        console.print(f"[bold cyan]>>> {item['prompt']}[/]")
+        console.print(item["completion"], markup=False, highlight=False)
+        console.print()
+    table = Table(title="pagedkv run summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), f"{value}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

