@@ -21,7 +21,7 @@ from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_m
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import SchedulerOutput
-from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence
 from pagedkv.core.stats import RunStats
 
 log = logging.getLogger("pagedkv")

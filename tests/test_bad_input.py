@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy, random_prompts
 
+from conftest import hf_greedy, random_prompts
 from pagedkv import LLM, Engine, EngineConfig, SamplingParams
 from pagedkv.core.errors import ConfigError, RequestRejected
 

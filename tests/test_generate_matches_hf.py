@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy, random_prompts
 
+from conftest import hf_greedy, random_prompts
 from pagedkv import LLM, SamplingParams
 
 LENGTHS = [3, 17, 40, 1, 64, 9]

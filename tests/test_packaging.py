@@ -63,7 +63,8 @@ def test_builtin_components_come_through_the_entry_point_group(tmp_path):
 def test_regular_wheel_install_works_from_outside_the_repo(tmp_path):
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
+         str(REPO)],
         check=True, capture_output=True, timeout=300,
     )
     wheel = next(wheel_dir.glob("pagedkv-*.whl"))
