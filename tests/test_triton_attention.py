@@ -140,8 +140,8 @@ def test_mixed_decode_and_prefill_chunks_in_one_launch() -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 5])
-def test_chunked_prefill_with_context_not_block_aligned(block_size: int) -> None:
-    batch = Batch([(7, 13), (20, 3), (3, 29)], heads=(4, 2), head_dim=64, block_size=block_size, seed=3)
+def test_chunked_prefill_with_context_not_block_aligned_and_an_idle_sequence(block_size: int) -> None:
+    batch = Batch([(7, 13), (20, 3), (0, 10), (3, 29)], heads=(4, 2), head_dim=64, block_size=block_size, seed=3)
     batch.check(batch.run_paged())
 
 

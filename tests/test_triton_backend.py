@@ -162,15 +162,29 @@ def run_fresh_python(code: str) -> subprocess.CompletedProcess:
 
 @cpu_only
 def test_fresh_process_on_cpu_gets_the_interpreter_set_by_the_backend() -> None:
+    # triton itself is imported first, in compiled mode, as transformers does while building a model.
     result = run_fresh_python(
         """
         import os, types, torch
+        import triton.language
+        from pagedkv.backends.torch_ref import TorchBackend
         from pagedkv.backends.triton.backend import TritonBackend
+        from pagedkv.core.attention_metadata import AttentionMetadata
         backend = TritonBackend(types.SimpleNamespace(device="cpu", dtype=torch.float32, block_size=4))
         assert os.environ["TRITON_INTERPRET"] == "1"
-        cache = torch.zeros(2, 4, 1, 16)
-        backend.write_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), cache, cache.clone(), torch.tensor([5]))
-        assert cache[1, 1].eq(1).all() and cache.sum() == 16
+        k_cache, v_cache = torch.zeros(4, 4, 1, 16), torch.zeros(4, 4, 1, 16)
+        meta = AttentionMetadata.build(block_tables=[[2, 0], [3]], context_lens=[0, 2], query_lens=[5, 1], block_size=4)
+        k, v, q = torch.randn(6, 1, 16), torch.randn(6, 1, 16), torch.randn(6, 2, 16)
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        assert torch.equal(k_cache[2, 1], k[1]) and torch.equal(v_cache[3, 2], v[5])
+        torch.testing.assert_close(backend.attend(q, k_cache, v_cache, meta, 0.25),
+                                   TorchBackend().attend(q, k_cache, v_cache, meta, 0.25))
+        backend.force_num_splits = 2
+        meta = AttentionMetadata.build(block_tables=[[2, 0], [3]], context_lens=[4, 2], query_lens=[1, 1], block_size=4)
+        torch.testing.assert_close(backend.attend(q[:2], k_cache, v_cache, meta, 0.25),
+                                   TorchBackend().attend(q[:2], k_cache, v_cache, meta, 0.25))
+        backend.copy_blocks([(k_cache, v_cache)], torch.tensor([[2, 1]]))
+        assert torch.equal(k_cache[1], k_cache[2])
         print("ok")
         """
     )

@@ -8,13 +8,31 @@ block size works and a tile may span several blocks. Addresses are int64.
 
 Everything is converted to fp32 right after loading: the interpreter computes
 bf16 arithmetic wrongly, and fp32 accumulation is what the GPU wants as well.
-Scores are kept in base 2 (``q`` arrives pre-multiplied by ``scale * log2(e)``).
+Scores are kept in base 2: ``q @ k^T`` is multiplied by ``qk_scale = scale * log2(e)``
+after the dot, so a 16-bit ``q`` stays exact when the dot runs in TF32 on a GPU.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# Kernels here call only triton.language *builtins* (and these reductions over
+# triton's own combine functions) rather than its @jit helpers such as tl.zeros,
+# tl.max, tl.sum or tl.cdiv. Those helpers are compiled-mode JITFunctions when
+# triton.language was imported before TRITON_INTERPRET=1 was set (transformers
+# imports triton while building a model), and the interpreter cannot call them.
+# The interpreter recognises these two combine functions and reduces with numpy.
+
+
+@triton.jit
+def max_along(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def sum_along(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 @triton.jit
@@ -27,10 +45,11 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def online_softmax_over_kv(
-    q,  # [BLOCK_M, D_PAD] fp32, pre-scaled by scale * log2(e); padded rows/columns are 0
+    q,  # [BLOCK_M, D_PAD] fp32, unscaled; padded rows/columns are 0
     acc,  # [BLOCK_M, D_PAD] fp32, unnormalised output so far
     m_i,  # [BLOCK_M] fp32, running max (base 2), -inf when nothing seen yet
     l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
+    qk_scale,  # scale * log2(e)
     q_pos,  # [BLOCK_M] int32, absolute position of each row: it sees keys at positions <= q_pos
     k_cache_ptr,
     v_cache_ptr,
@@ -66,15 +85,15 @@ def online_softmax_over_kv(
 
         k_rows = block * stride_kb + in_block * stride_ks + k_head
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
-        s = _dot(q, tl.trans(k.to(tl.float32)), IEEE)  # [BLOCK_M, TILE_N]
+        s = _dot(q, tl.trans(k.to(tl.float32)), IEEE) * qk_scale  # [BLOCK_M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, max_along(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + sum_along(p, 1)
 
         v_rows = block * stride_vb + in_block * stride_vs + v_head
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)

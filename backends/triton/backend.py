@@ -8,7 +8,10 @@ kernel is *defined* (``@triton.jit`` reads ``TRITON_INTERPRET`` at import), so:
 - for a CPU device, if ``TRITON_INTERPRET`` is unset and no kernel module of
   this package has been imported yet, the backend sets ``TRITON_INTERPRET=1``
   itself (process-wide) and then imports its kernels, so ``--backend triton``
-  just works on a CPU-only machine;
+  just works on a CPU-only machine. This holds even when ``triton`` itself was
+  imported earlier (transformers does so while building a model): the kernels
+  call only triton.language builtins, never its compiled-mode @jit helpers
+  (see ``attn_tile.py``);
 - if the kernels were already imported compiled, or ``TRITON_INTERPRET`` is
   set to something other than ``1``, it raises a ``RuntimeError`` telling the
   user to set ``TRITON_INTERPRET=1`` before starting the process.
@@ -24,6 +27,7 @@ import sys
 from typing import Any
 
 import torch
+
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -77,8 +81,9 @@ class TritonBackend:
         self.force_num_splits: int | None = None
         _select_triton_mode(self.device)
 
-        from pagedkv.backends.triton import copy_blocks, paged_attention, split_kv_decode, write_kv
         from triton.runtime.interpreter import InterpretedFunction
+
+        from pagedkv.backends.triton import copy_blocks, paged_attention, split_kv_decode, write_kv
 
         self._write_kv = write_kv
         self._paged = paged_attention

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pagedkv.backends.triton.attn_tile import online_softmax_over_kv
 
 LOG2E = 1.4426950408889634
@@ -78,11 +79,11 @@ def _paged_attention_kernel(
 
     q_rows = token * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
-    q = q.to(tl.float32) * scale_log2e
+    q = q.to(tl.float32)
 
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     q_pos = context_len + q_idx
     # The last row of this tile sees keys up to its own position; nothing past the history exists.
     kv_end = tl.minimum(context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len), seq_len)
@@ -92,6 +93,7 @@ def _paged_attention_kernel(
         acc,
         m_i,
         l_i,
+        scale_log2e,
         q_pos,
         k_cache_ptr,
         v_cache_ptr,
@@ -128,8 +130,10 @@ def rows_per_program(group_pad: int, max_query_len: int) -> int:
 def use_ieee_dot(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """fp32 data needs ``input_precision="ieee"`` to match the reference (the GPU would use TF32).
 
-    fp16 and bf16 values are exact in TF32, so with 16-bit inputs only the
-    probabilities of ``P @ V`` are rounded to TF32 (finer than the output dtype).
+    fp16 and bf16 values are exact in TF32 (``q`` is scaled after the dot), so
+    with 16-bit inputs only the probabilities of ``P @ V`` are rounded to TF32,
+    about as finely as an fp16 output. Under the interpreter the precision
+    hint is ignored (numpy computes in fp32), so only a GPU run exercises TF32.
     """
     return query.dtype == torch.float32 or k_cache.dtype == torch.float32
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pagedkv.backends.triton.attn_tile import online_softmax_over_kv
+
+from pagedkv.backends.triton.attn_tile import max_along, online_softmax_over_kv, sum_along
 from pagedkv.backends.triton.paged_attention import LOG2E, use_ieee_dot
 
 
@@ -74,18 +75,19 @@ def _split_kv_partial_kernel(
     mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     q_rows = token * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
-    q = q.to(tl.float32) * scale_log2e
+    q = q.to(tl.float32)
 
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)  # the decode token is the last position
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    q_pos = tl.full([BLOCK_M], 0, dtype=tl.int32) + (seq_len - 1)  # the decode token is the last position
 
     acc, m_i, l_i = online_softmax_over_kv(
         q,
         acc,
         m_i,
         l_i,
+        scale_log2e,
         q_pos,
         k_cache_ptr,
         v_cache_ptr,
@@ -142,7 +144,7 @@ def _split_kv_reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # splits past the history were never written
+    used = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)  # splits past the history were never written
 
     offs_s = tl.arange(0, SPLITS_PAD).to(tl.int64)
     offs_d = tl.arange(0, D_PAD).to(tl.int64)
@@ -150,15 +152,15 @@ def _split_kv_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(part_lse_ptr + seq * stride_ls + offs_s * stride_lsp + head * stride_lh, mask=s_mask, other=0.0)
     lse = tl.where(s_mask, lse, float("-inf"))
-    lse_max = tl.max(lse, 0)
+    lse_max = max_along(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
     part_rows = seq * stride_pos + offs_s * stride_psp + head * stride_ph
     part_mask = s_mask[:, None] & d_mask[None, :]
     part = tl.load(part_out_ptr + part_rows[:, None] + offs_d[None, :] * stride_pd, mask=part_mask, other=0.0)
-    total = tl.sum(weight, 0)
+    total = sum_along(weight, 0)
     total = tl.where(total > 0.0, total, 1.0)
-    out = tl.sum(part * weight[:, None], 0) / total
+    out = sum_along(part * weight[:, None], 0) / total
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     o_row = out_ptr + token * stride_ot + head * stride_oh
     tl.store(o_row + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -262,7 +264,7 @@ def split_kv_decode(
         *out.stride(),
         *part_out.stride(),
         *part_lse.stride(),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
     )
