@@ -57,3 +57,26 @@ def test_engine_run_bad_backend_is_a_one_line_error(smollm2_dir, capsys):
     assert main(["run", "--backend", "nope", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "unknown backend 'nope'" in err and "Traceback" not in err
+
+
+def test_stop_string_cuts_the_text_and_streaming_grows_it(smollm2):
+    model, tokenizer = smollm2
+    llm = LLM(hf_model=model, tokenizer=tokenizer, device="cpu", num_blocks=32)
+    full = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=12))[0]
+    assert "Paris" in full.text
+    cut = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=12, stop=["Paris"])
+    )[0]
+    assert cut.text == full.text[: full.text.index("Paris")]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == "Paris"
+
+    engine = llm.engine
+    rid = engine.add_request(apply_chat_template(tokenizer, [{"role": "user", "content": "Hi!"}]),
+                             SamplingParams(max_tokens=5, ignore_eos=True))
+    lengths = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            lengths.append(len(out.token_ids))
+    assert lengths == [1, 2, 3, 4, 5]
+    assert out.finished and engine.pool.num_free == engine.num_blocks

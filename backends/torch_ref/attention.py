@@ -41,8 +41,8 @@ def gather_kv(
     blocks_needed = -(-max_len // block_size)
     rows = cache[block_tables[:, :blocks_needed].long()]  # [S, nb, bs, Hkv, D]
     rows = rows.reshape(num_seqs, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
-    valid = torch.arange(max_len, device=cache.device)[None, :] < seq_lens[:, None]
-    return rows.masked_fill(~valid[:, :, None, None], 0)
+    invalid = torch.arange(max_len, device=cache.device)[None, :] >= seq_lens[:, None]
+    return rows.masked_fill_(invalid[:, :, None, None], 0)  # rows is a fresh copy: fill in place
 
 
 def paged_attention(
