@@ -45,7 +45,7 @@ class PagedAllocator:
         if needed > self.pool.num_available:
             return False
         for _ in range(needed):
-            seq.block_table.append(self.pool.allocate())
+            seq.block_table.append(self.pool.allocate(seq.request_id))
         return True
 
     def match_prefix(self, seq: Sequence) -> int:
@@ -58,7 +58,7 @@ class PagedAllocator:
         max_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last token
         blocks = blocks[:max_blocks]
         for block_id in blocks:
-            self.pool.incref(block_id)
+            self.pool.incref(block_id, seq.request_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(blocks) * self.block_size
         return seq.num_computed_tokens
@@ -66,7 +66,7 @@ class PagedAllocator:
     def free(self, seq: Sequence) -> None:
         """Give back every reference the sequence holds, tail block first."""
         for block_id in reversed(seq.block_table.clear()):
-            self.pool.decref(block_id)
+            self.pool.decref(block_id, seq.request_id)
 
 
 class StaticAllocator(PagedAllocator):

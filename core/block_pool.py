@@ -41,7 +41,7 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue) - len(self.kept)
 
-    def allocate(self) -> int:
+    def allocate(self, owner: str | None = None) -> int:
         """Take a free block (ref count 1), reclaiming kept blocks first if none is free."""
         if not self.free_queue and self.kept and self.hooks is not None:
             self.hooks.pagedkv_reclaim_blocks(pool=self, num_blocks=1)
@@ -49,25 +49,25 @@ class BlockPool:
             raise OutOfBlocks("no free KV block")
         block_id = self.free_queue.popleft()
         self.ref_counts[block_id] = 1
-        self.events.emit("block_alloc", block=block_id)
+        self.events.emit("block_alloc", block=block_id, owner=owner)
         return block_id
 
-    def incref(self, block_id: int) -> None:
+    def incref(self, block_id: int, owner: str | None = None) -> None:
         """Share a block (or revive a kept one)."""
         if self.ref_counts[block_id] == 0:
             if block_id not in self.kept:
                 raise ValueError(f"block {block_id} is free; it cannot be shared")
             self.kept.discard(block_id)
         self.ref_counts[block_id] += 1
-        self.events.emit("block_share", block=block_id, refs=self.ref_counts[block_id])
+        self.events.emit("block_share", block=block_id, refs=self.ref_counts[block_id], owner=owner)
 
-    def decref(self, block_id: int) -> None:
+    def decref(self, block_id: int, owner: str | None = None) -> None:
         """Drop one reference; at zero the block is freed unless a plugin keeps it."""
         if self.ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} is already free (double free)")
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] > 0:
-            self.events.emit("block_share", block=block_id, refs=self.ref_counts[block_id])
+            self.events.emit("block_unshare", block=block_id, refs=self.ref_counts[block_id], owner=owner)
             return
         if self.hooks is not None and self.hooks.pagedkv_on_block_released(block_id=block_id, pool=self):
             self.kept.add(block_id)

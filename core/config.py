@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,7 +73,11 @@ class EngineConfig:
     dtype: str | torch.dtype = "float32"
     device: str = "auto"
     seed: int = 0
-    plugins: dict[str, bool] = field(default_factory=dict)
+    enable_prefix_caching: bool = False
+    swap_space: int | str | None = None
+    telemetry: str | None = None
+    trace: str | None = None
+    plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -106,5 +111,9 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
+        if self.swap_space is not None:
+            self.swap_space = parse_bytes(self.swap_space)
+            if self.swap_space < 0:
+                raise ConfigError("swap_space must be >= 0 bytes")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")

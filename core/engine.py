@@ -47,6 +47,7 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
+        self.pm.hook.pagedkv_configure(config=config, pm=self.pm)
         backends = build_registry(self.pm, "backend", "pagedkv_register_backends")
         allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators")
         schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers")
@@ -89,6 +90,7 @@ class Engine:
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()
+        self.pm.hook.pagedkv_engine_started(engine=self)
 
     # --- sizing -------------------------------------------------------------------------------------
 

@@ -40,6 +40,25 @@ def pagedkv_register_schedulers(register: Any) -> None:
     """Register schedulers: ``register(name, factory, description)``; ``factory(config, allocator, pm)``."""
 
 
+# --- lifecycle -----------------------------------------------------------------------------------
+
+
+@hookspec
+def pagedkv_configure(config: Any, pm: Any) -> None:
+    """The engine is being built from ``config``; plugins are known but nothing is allocated yet.
+
+    A plugin that keeps per-engine state registers a fresh object here,
+    ``pm.register(MyState(config))``, when ``config`` switches it on (for example
+    ``config.enable_prefix_caching``). Module-level plugins are shared by every
+    engine in the process, so they must not keep state themselves.
+    """
+
+
+@hookspec
+def pagedkv_engine_started(engine: Any) -> None:
+    """The engine is built (pool, allocator, scheduler, model runner); plugins may keep a reference."""
+
+
 # --- decision points (first non-None answer wins) ----------------------------------------------
 
 
