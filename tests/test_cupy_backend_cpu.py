@@ -67,7 +67,14 @@ def test_plugin_builder_refuses_the_same_way() -> None:
 
 @pytest.mark.parametrize(
     ("elem_size", "head_dim", "tpr", "elems", "groups"),
-    [(2, 128, 16, 8, 8), (4, 128, 32, 4, 4), (4, 256, 32, 8, 4), (2, 80, 16, 8, 8), (4, 16, 4, 4, 32), (2, 16, 2, 8, 64)],
+    [
+        (2, 128, 16, 8, 8),
+        (4, 128, 32, 4, 4),
+        (4, 256, 32, 8, 4),
+        (2, 80, 16, 8, 8),
+        (4, 16, 4, 4, 32),
+        (2, 16, 2, 8, 64),
+    ],
 )
 def test_decode_launch_shape_mirrors_the_kernel(elem_size: int, head_dim: int, tpr: int, elems: int, groups: int):
     shape = _DecodeShape.of(elem_size, head_dim)

@@ -75,23 +75,16 @@ class _Call:
     scale: np.float32
 
 
-class _Kernels:
-    """The compiled kernels for one (dtype, head_dim, block_size) combination."""
+class _Module:
+    """Some of the kernels, compiled by NVRTC through CuPy (CuPy caches the binary on disk)."""
 
-    def __init__(self, cupy: Any, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-        self.names = kc.names_for(dtype, head_dim, block_size)
-        module = cupy.RawModule(code=kc.source(), options=kc.NVRTC_OPTIONS, name_expressions=self.names.all())
+    def __init__(self, cupy: Any, names: list[str]) -> None:
+        module = cupy.RawModule(code=kc.source(), options=kc.NVRTC_OPTIONS, name_expressions=names)
         try:
             module.compile()
         except Exception as exc:  # CompileException carries the NVRTC log in its message
-            raise RuntimeError(
-                f"cupy backend: NVRTC could not compile the kernels for {self.names.prefill}: {exc}"
-            ) from exc
-        self.decode = {g: module.get_function(n) for g, n in self.names.decode.items()}
-        self.reduce = module.get_function(self.names.reduce)
-        self.prefill = module.get_function(self.names.prefill)
-        self.write_kv = module.get_function(self.names.write_kv)
-        self.copy_blocks = {w: module.get_function(n) for w, n in self.names.copy_blocks.items()}
+            raise RuntimeError(f"cupy backend: NVRTC could not compile {names[0]} and co.: {exc}") from exc
+        self.functions = {name: module.get_function(name) for name in names}
 
 
 class CupyBackend:
@@ -123,31 +116,40 @@ class CupyBackend:
         # Decode partition length in tokens; None picks one per launch (shorter when the grid would be small).
         self.partition_size: int | None = None
         self._sync = os.environ.get(SYNC_ENV, "") not in ("", "0")
-        self._kernels: dict[tuple[torch.dtype, int, int], _Kernels] = {}
+        self._modules: dict[tuple, _Module] = {}
         self._streams: dict[int, Any] = {}
         # Keyed by tensor identity (a plain WeakKeyDictionary would compare tensors with ==).
         self._cache_views: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._meta_views: tuple[AttentionMetadata, dict[str, Any]] | None = None
         self._ptr_tables: dict[tuple[int, ...], torch.Tensor] = {}
-        with torch.cuda.device(self.device):
-            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Compile (or load from CuPy's cache) the cache kernels now, so a broken toolchain fails here, not mid-run.
-        self._get_kernels(self.dtype, 64, self.block_size)
+        self._cache_ops(self.dtype)
 
     # ------------------------------------------------------------------ plumbing
 
-    def _get_kernels(self, dtype: torch.dtype, head_dim: int, block_size: int) -> _Kernels:
+    def _module(self, key: tuple, names: list[str]) -> _Module:
+        module = self._modules.get(key)
+        if module is None:
+            with self._cupy.cuda.Device(self.device.index):
+                module = self._modules[key] = _Module(self._cupy, names)
+        return module
+
+    def _attention(self, dtype: torch.dtype, head_dim: int, block_size: int) -> tuple[kc.Names, _Module]:
+        """Decode, reduce and prefill kernels for this dtype, head_dim and block size (compiled on first use)."""
         if head_dim not in kc.HEAD_DIMS:
             raise ValueError(
                 f"cupy backend: head_dim {head_dim} has no compiled kernel (supported: {kc.HEAD_DIMS}); "
                 "use --backend torch"
             )
-        key = (dtype, head_dim, kc.block_size_param(block_size))
-        kernels = self._kernels.get(key)
-        if kernels is None:
-            with self._cupy.cuda.Device(self.device.index):
-                kernels = self._kernels[key] = _Kernels(self._cupy, dtype, head_dim, block_size)
-        return kernels
+        names = kc.names_for(dtype, head_dim, block_size)
+        key = ("attention", dtype, head_dim, kc.block_size_param(block_size))
+        return names, self._module(key, names.attention())
+
+    def _cache_ops(self, dtype: torch.dtype) -> tuple[kc.Names, _Module]:
+        """write_kv and copy_blocks kernels for this dtype (any head_dim and block size)."""
+        names = kc.names_for(dtype)
+        return names, self._module(("cache_ops", dtype), names.cache_ops())
 
     def _stream(self) -> Any:
         """torch's current stream on our device, as a CuPy stream (cached per stream)."""
@@ -263,7 +265,7 @@ class CupyBackend:
         if value.stride(-1) != 1:
             value = value.contiguous()
         slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
-        kernels = self._get_kernels(k_cache.dtype, head_dim, k_cache.shape[1])
+        names, module = self._cache_ops(k_cache.dtype)
         with self._cupy.cuda.Device(self.device.index), self._stream():
             args = (
                 self._view(key),
@@ -278,7 +280,8 @@ class CupyBackend:
                 np.int64(value.stride(0)),
                 np.int64(value.stride(1)),
             )
-            self._launch(kernels.write_kv, kernels.names.write_kv, (num_tokens, 1, 1), (_THREADS, 1, 1), args)
+            kernel = module.functions[names.write_kv]
+            self._launch(kernel, names.write_kv, (num_tokens, 1, 1), (_THREADS, 1, 1), args)
 
     def attend(
         self,
@@ -311,7 +314,7 @@ class CupyBackend:
         out = torch.empty_like(q)
         if q.shape[0] == 0 or meta.num_seqs == 0:
             return out
-        kernels = self._get_kernels(q.dtype, head_dim, block_size)
+        names, module = self._attention(q.dtype, head_dim, block_size)
         with self._cupy.cuda.Device(self.device.index), self._stream():
             call = _Call(
                 meta=meta,
@@ -328,12 +331,12 @@ class CupyBackend:
                 scale=np.float32(scale),
             )
             if not meta.query_lens_cpu or 1 in meta.query_lens_cpu:
-                self._decode(kernels, call)
+                self._decode(names, module, call)
             if meta.max_query_len > 1:
-                self._prefill(kernels, call)
+                self._prefill(names, module, call)
         return out
 
-    def _decode(self, kernels: _Kernels, c: _Call) -> None:
+    def _decode(self, names: kc.Names, module: _Module, c: _Call) -> None:
         """Decode kernel for the sequences with one query row, plus the partition reduce for long ones."""
         meta = c.meta
         if meta.query_lens_cpu and meta.seq_lens_cpu:
@@ -379,8 +382,8 @@ class CupyBackend:
         )
         shared = _DecodeShape.of(c.elem_size, c.head_dim).shared_bytes(tile, partition)
         grid = (num_seqs, c.num_kv_heads * head_tiles, max_parts)
-        name = kernels.names.decode[tile]
-        self._launch(kernels.decode[tile], name, grid, (_THREADS, 1, 1), args, shared_mem=shared)
+        name = names.decode[tile]
+        self._launch(module.functions[name], name, grid, (_THREADS, 1, 1), args, shared_mem=shared)
         if max_parts > 1:
             args = (
                 c.out,
@@ -393,9 +396,11 @@ class CupyBackend:
                 np.int32(partition),
                 np.int32(max_parts),
             )
-            self._launch(kernels.reduce, kernels.names.reduce, (num_seqs, c.num_heads, 1), (_THREADS, 1, 1), args)
+            self._launch(
+                module.functions[names.reduce], names.reduce, (num_seqs, c.num_heads, 1), (_THREADS, 1, 1), args
+            )
 
-    def _prefill(self, kernels: _Kernels, c: _Call) -> None:
+    def _prefill(self, names: kc.Names, module: _Module, c: _Call) -> None:
         """Prefill kernel for the sequences with two or more query rows."""
         m = c.views
         group_size = c.num_heads // c.num_kv_heads
@@ -417,7 +422,7 @@ class CupyBackend:
             np.int32(2),  # min_query_len: single-row sequences belong to the decode kernel
             c.scale,
         )
-        self._launch(kernels.prefill, kernels.names.prefill, grid, (_THREADS, 1, 1), args)
+        self._launch(module.functions[names.prefill], names.prefill, grid, (_THREADS, 1, 1), args)
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
         """For every layer, copy block ``pairs[i, 0]`` onto block ``pairs[i, 1]`` (int64 ``[N, 2]``).
@@ -432,8 +437,7 @@ class CupyBackend:
             self._check_cache(k_cache, v_cache)
             block_bytes = k_cache[0].numel() * k_cache.element_size()
             by_shape.setdefault((block_bytes, k_cache.dtype), []).extend((k_cache, v_cache))
-        first = kv_caches[0][0]
-        kernels = self._get_kernels(first.dtype, first.shape[3], first.shape[1])
+        names, module = self._cache_ops(kv_caches[0][0].dtype)
         with self._cupy.cuda.Device(self.device.index), self._stream():
             pairs_v = self._view(pairs)
             for (block_bytes, _), caches in by_shape.items():
@@ -449,8 +453,8 @@ class CupyBackend:
                     self._ptr_tables[ptrs] = table
                 args = (self._view(table), pairs_v, np.int64(block_bytes // word_size))
                 self._launch(
-                    kernels.copy_blocks[word],
-                    kernels.names.copy_blocks[word],
+                    module.functions[names.copy_blocks[word]],
+                    names.copy_blocks[word],
                     (pairs.shape[0], len(ptrs), 1),
                     (_COPY_THREADS, 1, 1),
                     args,

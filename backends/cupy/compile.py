@@ -88,18 +88,30 @@ class Names:
     write_kv: str
     copy_blocks: dict[str, str]  # word type -> name
 
+    def attention(self) -> list[str]:
+        """The kernels that depend on head_dim and block_size."""
+        return [*self.decode.values(), self.reduce, self.prefill]
+
+    def cache_ops(self) -> list[str]:
+        """The kernels that depend on the dtype at most (any head_dim and block size)."""
+        return [self.write_kv, *self.copy_blocks.values()]
+
     def all(self) -> list[str]:
-        return [*self.decode.values(), self.reduce, self.prefill, self.write_kv, *self.copy_blocks.values()]
+        return [*self.attention(), *self.cache_ops()]
 
 
-def names_for(dtype: torch.dtype, head_dim: int, block_size: int) -> Names:
-    """Kernels the backend launches for caches of this dtype, head dim and block size."""
+def names_for(dtype: torch.dtype, head_dim: int | None = None, block_size: int | None = None) -> Names:
+    """Kernels the backend launches for caches of this dtype, head dim and block size.
+
+    Without ``head_dim`` (and ``block_size``) only the cache-op names are meaningful.
+    """
     tag = DTYPE_TAGS[dtype]
-    bs = block_size_param(block_size)
+    hd = HEAD_DIMS[0] if head_dim is None else head_dim
+    bs = block_size_param(16 if block_size is None else block_size)
     return Names(
-        decode={g: f"pagedkv_decode<{tag}, {head_dim}, {bs}, {g}>" for g in HEAD_TILES},
-        reduce=f"pagedkv_decode_reduce<{tag}, {head_dim}>",
-        prefill=f"pagedkv_prefill<{tag}, {head_dim}, {bs}>",
+        decode={g: f"pagedkv_decode<{tag}, {hd}, {bs}, {g}>" for g in HEAD_TILES},
+        reduce=f"pagedkv_decode_reduce<{tag}, {hd}>",
+        prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}>",
         write_kv=f"pagedkv_write_kv<{tag}>",
         copy_blocks={word: f"pagedkv_copy_blocks<{word}>" for word, _ in COPY_WORDS},
     )
