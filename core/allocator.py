@@ -27,6 +27,7 @@ class PagedAllocator:
         self.pool = pool
         self.block_size = block_size
         self.hooks = hooks
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step must run
 
     def blocks_to_reserve(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks the table must hold for ``num_tokens`` tokens."""
@@ -40,13 +41,38 @@ class PagedAllocator:
         return self.num_new_blocks(seq, num_new_tokens) <= self.pool.num_available
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; all or nothing."""
-        needed = self.num_new_blocks(seq, num_new_tokens)
+        """Make room for ``num_new_tokens`` more tokens; all or nothing.
+
+        If the first block to be written is shared (ref count > 1, after a fork),
+        a copy-on-write plugin gives the sequence its own copy first.
+        """
+        shared = self._shared_write_block(seq)
+        needed = self.num_new_blocks(seq, num_new_tokens) + (shared is not None)
         if needed > self.pool.num_available:
             return False
-        for _ in range(needed):
+        if shared is not None:
+            done = self.hooks is not None and self.hooks.pagedkv_copy_on_write(
+                seq=seq, logical_index=shared, allocator=self
+            )
+            if not done:
+                raise RuntimeError("a shared KV block is about to be written and no copy-on-write plugin handled it")
+        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
             seq.block_table.append(self.pool.allocate(seq.request_id))
         return True
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The logical index of the block the next token lands in, if that block is shared."""
+        logical = seq.num_computed_tokens // self.block_size
+        if logical < len(seq.block_table) and self.pool.ref_counts[seq.block_table[logical]] > 1:
+            return logical
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (ref counts up, nothing copied)."""
+        for block_id in parent.block_table:
+            self.pool.incref(block_id, child.request_id)
+            child.block_table.append(block_id)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def match_prefix(self, seq: Sequence) -> int:
         """On admission, let a plugin hand over cached blocks; returns tokens skipped."""

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
+    run.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
+    run.add_argument("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
+    run.add_argument("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     return parser
 
@@ -75,6 +79,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_copy_on_write=args.enable_copy_on_write,
+        swap_space=args.swap_space,
     )
     engine = Engine(config)
     if not args.json:
@@ -85,6 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
+        n=args.n,
     )
     prompts = args.prompt or DEMO_PROMPTS
     ids = {}
@@ -137,7 +145,8 @@ def summarize(engine: Any) -> dict:
         "peak_running": s.peak_running,
         "preemptions": s.preemptions,
         "tokens_recomputed": s.tokens_recomputed,
-        "blocks_free_at_end": engine.pool.num_free,
+        "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
+        **{k: v for answer in engine.pm.hook.pagedkv_report_stats() for k, v in answer.items()},
     }
 
 

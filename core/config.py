@@ -74,6 +74,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = False
+    enable_copy_on_write: bool = False
     swap_space: int | str | None = None
     telemetry: str | None = None
     trace: str | None = None

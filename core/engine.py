@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,11 +75,15 @@ class Engine:
         self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
         pool_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_on_block_released") else None
         self.pool = BlockPool(self.num_blocks, hooks=pool_hooks, events=self.events)
-        alloc_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_match_prefix") else None
+        alloc_hooks = self.pm.hook if self._any_impl("pagedkv_match_prefix", "pagedkv_copy_on_write") else None
         self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
-        self.scheduler = scheduler_entry.factory(config, self.allocator, self.events)
+        sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
+        self.scheduler = scheduler_entry.factory(config, self.allocator, self.events, sched_hooks)
         self._block_full_hook = self.pm.hook.pagedkv_on_block_full if has_impls(
             self.pm, "pagedkv_on_block_full"
+        ) else None
+        self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if has_impls(
+            self.pm, "pagedkv_fork_after_prefill"
         ) else None
 
         from pagedkv.core.model_runner import ModelRunner
@@ -91,6 +96,9 @@ class Engine:
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()
         self.pm.hook.pagedkv_engine_started(engine=self)
+
+    def _any_impl(self, *hook_names: str) -> bool:
+        return any(has_impls(self.pm, name) for name in hook_names)
 
     # --- sizing -------------------------------------------------------------------------------------
 
@@ -155,6 +163,7 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
         params = params or SamplingParams()
@@ -163,20 +172,14 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        fork = params.n > 1 and bool(self._fork_hook and self._fork_hook(params=params))
         seqs = []
-        for index in range(params.n):
-            sample_params = params
-            if params.n > 1 and params.seed is not None:
-                sample_params = _with_seed(params, params.seed + index)
-            seq = Sequence(
-                request_id=request_id,
-                prompt_token_ids=list(token_ids),
-                params=sample_params,
-                max_len=self.max_model_len,
-                prompt=text,
-            )
-            self._seq_keys[id(seq)] = next(self._ids)
+        for index in range(1 if fork else params.n):
+            seq = self._new_sequence(request_id, token_ids, params, index, text)
+            seq.cache_salt = cache_salt
             seqs.append(seq)
+        if fork:
+            seqs[0].pending_forks = params.n - 1
         self._groups[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -184,6 +187,16 @@ class Engine:
         self.stats.prompt_tokens += len(token_ids) * params.n
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
+
+    def _new_sequence(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, index: int, text: str | None
+    ) -> Sequence:
+        """Sample ``index`` of a request; with a seed, sample i uses seed + i."""
+        if params.n > 1 and params.seed is not None:
+            params = replace(params, seed=params.seed + index)
+        seq = Sequence(request_id, list(token_ids), params, max_len=self.max_model_len, prompt=text)
+        self._seq_keys[seq.seq_id] = next(self._ids)
+        return seq
 
     def _validate(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -242,7 +255,9 @@ class Engine:
         return outputs
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[str]:
-        sampling = []
+        sampling: list[Sequence] = []
+        rows: list[int] = []  # logits row of each sampling sequence
+        row = 0
         for item in out.scheduled:
             seq = item.seq
             before = seq.num_computed_tokens
@@ -250,10 +265,15 @@ class Engine:
             if self._block_full_hook is not None:
                 self._report_full_blocks(seq, before)
             if item.samples:
-                sampling.append(seq)
+                for s in [seq, *self._fork(seq)]:  # forked samples share the parent's logits row
+                    sampling.append(s)
+                    rows.append(row)
+                row += 1
         if not sampling:
             return []
-        keys = [self._seq_keys[id(s)] for s in sampling]
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        keys = [self._seq_keys[s.seq_id] for s in sampling]
         banned = [self._banned(s) for s in sampling]
         tokens = self.sampler.sample(logits, sampling, keys, banned)
         touched: dict[str, None] = {}
@@ -263,6 +283,25 @@ class Engine:
             self._check_finish(seq, token)
             touched[seq.request_id] = None
         return list(touched)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """After its prefill, split a parent into its n samples, sharing every block."""
+        if not parent.pending_forks:
+            return []
+        group = self._groups[parent.request_id]
+        children = []
+        for _ in range(parent.pending_forks):
+            # parent.params carries seed + 0, so sample i gets seed + i as in an unforked request
+            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params, len(group), None)
+            child.prompt = parent.prompt
+            self.allocator.fork(parent, child)
+            self.scheduler.add_running(child)
+            group.append(child)
+            children.append(child)
+        self.stats.blocks_shared_by_fork += parent.pending_forks * len(parent.block_table)
+        parent.pending_forks = 0
+        self.events.emit("request_fork", request=parent.request_id, children=len(children))
+        return children
 
     def _report_full_blocks(self, seq: Sequence, before: int) -> None:
         bs = self.config.block_size
@@ -302,10 +341,19 @@ class Engine:
         self.stats.preemptions += len(out.preempted)
         self.stats.tokens_recomputed = sum(r.tokens_discarded for r in self.scheduler.preemptions)
         running = self.scheduler.running
-        held = sum(s.num_computed_tokens for s in running)
-        self.stats.observe_memory(self.pool.num_used, held, self.config.block_size, len(running))
+        self.stats.observe_memory(self.pool.num_used, self._tokens_held(), self.config.block_size, len(running))
         if self.events.enabled:
             self.pm.hook.pagedkv_on_step_events(events=self.events.drain())
+
+    def _tokens_held(self) -> int:
+        """Computed tokens in used blocks, counting a shared block once."""
+        bs = self.config.block_size
+        fill: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            n = seq.num_computed_tokens
+            for i, block_id in enumerate(seq.block_table.blocks):
+                fill[block_id] = max(fill.get(block_id, 0), min(bs, max(0, n - i * bs)))
+        return sum(fill.values())
 
     def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
         completions = []
@@ -324,7 +372,7 @@ class Engine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _forget(self, seq: Sequence) -> None:
-        key = self._seq_keys.pop(id(seq), None)
+        key = self._seq_keys.pop(seq.seq_id, None)
         if key is not None:
             self.sampler.forget(key)
 
@@ -338,12 +386,6 @@ class Engine:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, refs in enumerate(self.pool.ref_counts):
             assert refs == holders.get(block_id, 0), f"block {block_id}: ref {refs}, held {holders.get(block_id)}"
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -72,8 +72,28 @@ def pagedkv_match_prefix(seq: Any, allocator: Any) -> list[int] | None:
 
 
 @hookspec(firstresult=True)
+def pagedkv_fork_after_prefill(params: Any) -> bool | None:
+    """A request asks for ``params.n > 1`` samples: return True to prefill the prompt once and
+    fork the samples after prefill, sharing its blocks (the default runs n independent sequences)."""
+
+
+@hookspec(firstresult=True)
+def pagedkv_copy_on_write(seq: Any, logical_index: int, allocator: Any) -> bool | None:
+    """``seq`` is about to write into block ``logical_index``, which other sequences share.
+
+    Give it a private copy: allocate a block, append ``(old, new)`` to
+    ``allocator.pending_copies`` (run on the backend before this step's forward),
+    repoint the table and drop the old reference. Return True when done.
+    """
+
+
+@hookspec(firstresult=True)
 def pagedkv_choose_preemption(seq: Any, scheduler: Any) -> str | None:
-    """The scheduler must preempt ``seq``: answer ``"swap"`` or ``"recompute"`` (default)."""
+    """The scheduler must preempt ``seq``: answer ``"swap"`` or ``"recompute"`` (the default).
+
+    ``"swap"`` is honoured only when a swapper is attached to the scheduler
+    (``scheduler.swapper``, see the CPU swap plugin) and it has room.
+    """
 
 
 @hookspec(firstresult=True)
@@ -92,6 +112,11 @@ def pagedkv_reclaim_blocks(pool: Any, num_blocks: int) -> int | None:
 @hookspec
 def pagedkv_on_block_full(seq: Any, logical_index: int, block_id: int) -> None:
     """A sequence's block ``logical_index`` (physical ``block_id``) now holds ``block_size`` computed tokens."""
+
+
+@hookspec
+def pagedkv_report_stats() -> dict[str, Any]:
+    """Counters for the run summary (e.g. ``{"prefix_hit_rate": 0.4}``); every answer is merged."""
 
 
 @hookspec

@@ -26,6 +26,7 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # set by a swap plugin
 
     def build_metadata(self, out: SchedulerOutput) -> AttentionMetadata:
         return AttentionMetadata.build(
@@ -39,6 +40,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns float32 logits ``[num_sampling_seqs, vocab]`` in scheduled order."""
+        # Order matters: blocks swapped out may be refilled by a swap-in or a copy of this same step.
+        if out.swap_out:
+            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches, torch.tensor(out.swap_out))
+        if out.swap_in:
+            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches, torch.tensor(out.swap_in))
         if out.block_copies:
             pairs = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_caches, pairs)

@@ -4,8 +4,10 @@ Each step has a token budget. Running sequences go first (oldest first): a
 decode costs one token, an unfinished prompt takes the next chunk that fits.
 Waiting sequences are then admitted in arrival order while budget, sequence
 slots and blocks last. When a running sequence needs a block and none is left,
-the newest running sequence is preempted: its blocks are freed and it goes
-back to the front of the queue to be recomputed later.
+the newest running sequence is preempted: by default its blocks are freed and
+it goes back to the front of the queue to be recomputed later; a plugin may
+choose to swap it out to CPU memory instead (``pagedkv_choose_preemption``),
+and swapped sequences come back before any new request is admitted.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -55,13 +59,16 @@ class PreemptionRecord:
 class FCFSScheduler:
     name = "fcfs"
 
-    def __init__(self, config: Any, allocator: Any, events: EventLog | None = None) -> None:
+    def __init__(self, config: Any, allocator: Any, events: EventLog | None = None, hooks: Any = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.allocator = allocator
         self.events = events or EventLog()
+        self.hooks = hooks
+        self.swapper: Any = None  # attached by a swap plugin: swap_out(seq), swap_in(seq), free(seq)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.preemptions: list[PreemptionRecord] = []
         self.step_index = 0
 
@@ -71,8 +78,13 @@ class FCFSScheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins it (its blocks are already shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the queues and give back its blocks."""
@@ -80,6 +92,9 @@ class FCFSScheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swapper.free(seq)
         self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -109,10 +124,32 @@ class FCFSScheduler:
             break  # the sequence preempted itself: nothing newer is left to run
 
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        out.block_copies.extend(self.allocator.pending_copies)
+        self.allocator.pending_copies.clear()
         for item in out.scheduled:
             self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped sequences back, oldest first, while their blocks fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_uncomputed, budget)
+            blocks = -(-(seq.num_computed_tokens + num_new) // self.allocator.block_size)
+            if blocks > self.allocator.pool.num_available:
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.swapper.swap_in(seq))
+            self.allocator.allocate_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+            self.events.emit("request_swap_in", request=seq.request_id)
+        return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -131,7 +168,18 @@ class FCFSScheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preempt by recompute: free everything; the tokens are recomputed when it runs again."""
+        """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
+        choice = self.hooks.pagedkv_choose_preemption(seq=seq, scheduler=self) if self.hooks else None
+        if choice == "swap" and self.swapper is not None:
+            pairs = self.swapper.swap_out(seq)
+            if pairs is not None:
+                out.swap_out.extend(pairs)
+                seq.status = SequenceStatus.SWAPPED
+                seq.num_preemptions += 1
+                self.swapped.append(seq)
+                out.preempted.append(seq)
+                self.events.emit("request_swap_out", request=seq.request_id, blocks=len(pairs))
+                return
         discarded = seq.num_computed_tokens
         self.allocator.free(seq)
         seq.num_computed_tokens = 0

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from pagedkv.core.block_table import BlockTable
 from pagedkv.core.sampling_params import SamplingParams
+
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +46,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     output_text: str = ""
+    pending_forks: int = 0  # samples still to fork from this sequence after its prefill (n > 1)
+    cache_salt: str | None = None  # keeps prefix-cache entries of different tenants apart
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
 
     @property
     def token_ids(self) -> list[int]:

@@ -19,6 +19,7 @@ class RunStats:
     peak_running: int = 0
     preemptions: int = 0
     tokens_recomputed: int = 0
+    blocks_shared_by_fork: int = 0
     started: float = field(default_factory=time.perf_counter)
     elapsed: float = 0.0
 

@@ -1,0 +1,49 @@
+"""Copy-on-write for parallel sampling (``SamplingParams(n > 1)``).
+
+A request with n samples is prefilled once; its samples then fork and share
+every prompt block by reference count. The only block ever copied is a shared
+*partial* last block, just before a sample writes its next token into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.hookspecs import hookimpl
+
+
+class CopyOnWrite:
+    def __init__(self) -> None:
+        self.copies = 0
+        self.engine: Any = None
+
+    @hookimpl
+    def pagedkv_engine_started(self, engine: Any) -> None:
+        self.engine = engine
+
+    @hookimpl
+    def pagedkv_fork_after_prefill(self, params: Any) -> bool:
+        return True
+
+    @hookimpl
+    def pagedkv_copy_on_write(self, seq: Any, logical_index: int, allocator: Any) -> bool:
+        pool = allocator.pool
+        old = seq.block_table[logical_index]
+        new = pool.allocate(seq.request_id)
+        allocator.pending_copies.append((old, new))
+        seq.block_table.blocks[logical_index] = new
+        pool.decref(old, seq.request_id)
+        pool.events.emit("block_cow", src=old, dst=new, owner=seq.request_id)
+        self.copies += 1
+        return True
+
+    @hookimpl
+    def pagedkv_report_stats(self) -> dict[str, int]:
+        saved = self.engine.stats.blocks_shared_by_fork if self.engine is not None else 0
+        return {"cow_copies": self.copies, "blocks_saved_by_sharing": saved - self.copies}
+
+
+@hookimpl
+def pagedkv_configure(config: Any, pm: Any) -> None:
+    if config.enable_copy_on_write:
+        pm.register(CopyOnWrite(), name="copy_on_write.instance")

@@ -1,0 +1,119 @@
+"""Automatic prefix caching: full blocks are found again by a hash of everything before them.
+
+A block's key is ``hash(parent key, its token ids, salt)``, so equal keys mean
+equal prefixes (token ids are compared too, since hashes can collide). A block
+whose ref count drops to 0 stays cached and evictable; eviction is LRU, and a
+finished request's tail blocks are queued first, so shared heads live longest.
+Cached blocks are evicted only when the free pool is empty.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from pagedkv.core.hookspecs import hookimpl
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self.by_key: dict[int, int] = {}  # key -> block id
+        self.block_info: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (key, token ids)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # kept blocks, least recently used first
+        self.block_size = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.recompute_hit_tokens = 0  # hits while re-running a preempted request: not real sharing
+        self.evictions = 0
+        self._counted: set[tuple[int, int]] = set()  # (sequence, preemptions) already in the metrics
+
+    @hookimpl
+    def pagedkv_engine_started(self, engine: Any) -> None:
+        self.block_size = engine.config.block_size
+
+    # --- keys ---------------------------------------------------------------------------------------
+
+    def _chunks(self, seq: Any, num_blocks: int):
+        """(key, token ids) of the sequence's first ``num_blocks`` full blocks."""
+        tokens = seq.token_ids
+        key = hash(("pagedkv", seq.cache_salt))
+        for i in range(num_blocks):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = hash((key, chunk))
+            yield key, chunk
+
+    # --- hooks ----------------------------------------------------------------------------------------
+
+    @hookimpl
+    def pagedkv_on_block_full(self, seq: Any, logical_index: int, block_id: int) -> None:
+        if block_id in self.block_info:
+            return
+        *_, (key, chunk) = self._chunks(seq, logical_index + 1)
+        if key not in self.by_key:
+            self.by_key[key] = block_id
+            self.block_info[block_id] = (key, chunk)
+
+    @hookimpl
+    def pagedkv_match_prefix(self, seq: Any, allocator: Any) -> list[int]:
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        blocks = []
+        for key, chunk in self._chunks(seq, max_blocks):
+            block_id = self.by_key.get(key)
+            if block_id is None or self.block_info[block_id][1] != chunk:
+                break
+            blocks.append(block_id)
+            self.evictable.pop(block_id, None)  # about to be referenced again
+        hit = len(blocks) * self.block_size
+        attempt = (seq.seq_id, seq.num_preemptions)
+        if attempt in self._counted:  # the queue head retries admission every step: count it once
+            return blocks
+        self._counted.add(attempt)
+        if seq.num_preemptions:
+            self.recompute_hit_tokens += hit
+        else:
+            self.query_tokens += len(seq.prompt_token_ids)
+            self.hit_tokens += hit
+        return blocks
+
+    @hookimpl
+    def pagedkv_on_block_released(self, block_id: int, pool: Any) -> bool:
+        if block_id not in self.block_info:
+            return False
+        self.evictable[block_id] = None
+        return True
+
+    @hookimpl
+    def pagedkv_reclaim_blocks(self, pool: Any, num_blocks: int) -> int:
+        freed = 0
+        while freed < num_blocks and self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            key, _ = self.block_info.pop(block_id)
+            del self.by_key[key]
+            pool.release_kept(block_id)
+            pool.events.emit("block_evict", block=block_id)
+            self.evictions += 1
+            freed += 1
+        return freed
+
+    @hookimpl
+    def pagedkv_report_stats(self) -> dict[str, Any]:
+        return {
+            "prefix_query_tokens": self.query_tokens,
+            "prefix_hit_tokens": self.hit_tokens,
+            "prefix_hit_rate": round(self.hit_tokens / self.query_tokens, 4) if self.query_tokens else 0.0,
+            "prefix_recompute_hit_tokens": self.recompute_hit_tokens,
+            "prefix_cached_blocks": len(self.block_info),
+            "prefix_evictions": self.evictions,
+        }
+
+    def check(self, pool: Any) -> None:
+        """Invariants for tests: every evictable block is kept by the pool, keys point back."""
+        assert set(self.evictable) == pool.kept
+        for block_id, (key, _) in self.block_info.items():
+            assert self.by_key[key] == block_id
+
+
+@hookimpl
+def pagedkv_configure(config: Any, pm: Any) -> None:
+    if config.enable_prefix_caching:
+        pm.register(PrefixCache(), name="prefix_cache.instance")
