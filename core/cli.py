@@ -145,6 +145,7 @@ def summarize(engine: Any) -> dict:
         "peak_running": s.peak_running,
         "preemptions": s.preemptions,
         "tokens_recomputed": s.tokens_recomputed,
+        "prefill_tokens_computed": s.prefill_tokens_computed,
         "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
         **{k: v for answer in engine.pm.hook.pagedkv_report_stats() for k, v in answer.items()},
     }

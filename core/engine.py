@@ -262,6 +262,8 @@ class Engine:
             seq = item.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
+            prompt_done = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+            self.stats.prefill_tokens_computed += max(0, prompt_done - before)
             if self._block_full_hook is not None:
                 self._report_full_blocks(seq, before)
             if item.samples:

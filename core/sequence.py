@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pagedkv.core.block_table import BlockTable
 from pagedkv.core.sampling_params import SamplingParams
 
-
 _seq_ids = itertools.count()
 
 

@@ -20,6 +20,7 @@ class RunStats:
     preemptions: int = 0
     tokens_recomputed: int = 0
     blocks_shared_by_fork: int = 0
+    prefill_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits skip some)
     started: float = field(default_factory=time.perf_counter)
     elapsed: float = 0.0
 

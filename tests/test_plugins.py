@@ -57,6 +57,7 @@ def test_shared_prefix_is_computed_once_and_outputs_match_transformers(tiny_llam
     assert [o.token_ids for o in first + rest] == expected
     stats = plugin(engine, "prefix_cache").pagedkv_report_stats()
     assert stats["prefix_hit_tokens"] == 2 * 40  # five full blocks of the system prompt, for two requests
+    assert engine.stats.prefill_tokens_computed == sum(map(len, prompts)) - 2 * 40
     assert_all_blocks_back(engine)
 
 
