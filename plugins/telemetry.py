@@ -1,0 +1,293 @@
+"""The telemetry plugin: the engine's block allocator and requests, published live.
+
+Switched on by ``EngineConfig(telemetry="unix:PATH" | "tcp:127.0.0.1:PORT")``
+and/or ``EngineConfig(trace="FILE")``. Each engine gets its own
+:class:`Telemetry` object. Per step it turns the core's events into one
+``delta`` line (see :mod:`pagedkv.plugins.telemetry_protocol`); every
+``keyframe_steps`` steps or ``keyframe_s`` seconds it adds a ``snapshot``
+built from the engine's real pool and scheduler, the source of truth.
+
+Options (``EngineConfig.plugin_options["telemetry"]``): ``keyframe_steps`` (50),
+``keyframe_s`` (1.0), ``heartbeat_s`` (1.0), ``queue_lines`` (1024) and
+``queue_bytes`` (32 MiB) per client, ``socket_sndbuf`` (the kernel's default).
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from typing import Any
+
+from pagedkv.core.hookspecs import hookimpl
+from pagedkv.plugins.telemetry_address import parse_address
+from pagedkv.plugins.telemetry_protocol import encode, message
+
+
+@hookimpl
+def pagedkv_configure(config: Any, pm: Any) -> None:
+    if getattr(config, "telemetry", None) or getattr(config, "trace", None):
+        pm.register(Telemetry(config))
+
+
+_LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for telemetry in list(_LIVE):
+        telemetry.close()
+
+
+def find(engine: Any) -> Telemetry | None:
+    """The engine's telemetry object, if it has one."""
+    for plugin in engine.pm.get_plugins():
+        if isinstance(plugin, Telemetry):
+            return plugin
+    return None
+
+
+def close(engine: Any) -> None:
+    """Write the final snapshot and an ``end`` line, stop the server, close the trace."""
+    telemetry = find(engine)
+    if telemetry is not None:
+        telemetry.close()
+
+
+class Telemetry:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.address = parse_address(config.telemetry) if config.telemetry else None  # refuse bad ones first
+        opts = dict(getattr(config, "plugin_options", {}).get("telemetry", {}))
+        self.keyframe_steps = int(opts.get("keyframe_steps", 50))
+        self.keyframe_s = float(opts.get("keyframe_s", 1.0))
+        self.heartbeat_s = float(opts.get("heartbeat_s", 1.0))
+        self.queue_lines = int(opts.get("queue_lines", 1024))
+        self.queue_bytes = int(opts.get("queue_bytes", 32 << 20))
+        self.socket_sndbuf = opts.get("socket_sndbuf")
+        self.engine: Any = None
+        self.server: Any = None
+        self.trace: Any = None
+        self.seq = 0
+        self.step = 0
+        self.closed = False
+        self._t0 = time.monotonic()
+        self._hello: bytes = b""
+        self._keyframe: bytes = b""
+        self._backlog: list[bytes] = []  # deltas since the keyframe
+        self._keyframe_at = (0, 0.0)  # (step, time) of the newest keyframe
+        self._counters = {"prefix_hit_tokens": 0, "cow": 0, "swap_out": 0, "swap_in": 0, "evicted": 0}
+        self._last_step_t = self._t0
+        self._lock: Any = None
+
+    # --- hooks -------------------------------------------------------------------------------------
+
+    @hookimpl
+    def pagedkv_engine_started(self, engine: Any) -> None:
+        import threading
+
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._hello = encode(self._hello_message())
+        self._keyframe = encode(self._snapshot_message())
+        self._keyframe_at = (self.step, time.monotonic())
+        if self.config.trace:
+            self.trace = open(self.config.trace, "wb")  # noqa: SIM115 - lives as long as the engine
+            self.trace.write(self._hello + self._keyframe)
+            self.trace.flush()
+        if self.address is not None:
+            from pagedkv.plugins.telemetry_server import TelemetryServer
+
+            self.server = TelemetryServer(
+                self.address,
+                greeting=lambda: [self._hello, self._keyframe, *self._backlog],
+                resync=lambda: [self._keyframe, *self._backlog],
+                heartbeat=lambda: encode(message("heartbeat", self.seq, self._now(), step=self.step)),
+                max_lines=self.queue_lines,
+                max_bytes=self.queue_bytes,
+                heartbeat_s=self.heartbeat_s,
+                sndbuf=self.socket_sndbuf,
+            )
+            self._lock = self.server.lock
+        _LIVE.add(self)
+
+    @hookimpl
+    def pagedkv_on_step_events(self, events: list[Any]) -> None:
+        if self.engine is None or self.closed:
+            return
+        encoded = []
+        for ev in events:
+            self._count(ev.kind, ev.data)
+            encoded.append([ev.kind, ev.data])
+        now = time.monotonic()
+        stats = self._stats(now)
+        stats["step_ms"] = round((now - self._last_step_t) * 1000.0, 2)
+        self._last_step_t = now
+        with self._lock:
+            self.seq += 1
+            self.step += 1
+            delta = encode(
+                message(
+                    "delta", self.seq, self._now(now), step=self.step, events=encoded, stats=stats,
+                    progress=self._progress(),
+                )
+            )
+            lines = [delta]
+            kf_step, kf_time = self._keyframe_at
+            if self.step - kf_step >= self.keyframe_steps or now - kf_time >= self.keyframe_s:
+                self._keyframe = encode(self._snapshot_message(now))
+                self._keyframe_at = (self.step, now)
+                self._backlog = []
+                lines.append(self._keyframe)
+            else:
+                self._backlog.append(delta)
+            if self.server is not None:
+                self.server.broadcast(lines)
+        if self.trace is not None:
+            self.trace.write(b"".join(lines))
+            self.trace.flush()
+
+    # --- shutting down -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed or self.engine is None:
+            return
+        self.closed = True
+        with self._lock:
+            self.seq += 1  # the final snapshot also covers events not flushed by a step (e.g. an abort)
+            self._keyframe = encode(self._snapshot_message())
+            self._backlog = []
+            end = encode(message("end", self.seq, self._now(), step=self.step))
+            lines = [self._keyframe, end]
+            if self.server is not None:
+                self.server.broadcast(lines)
+        if self.trace is not None:
+            self.trace.write(b"".join(lines))
+            self.trace.close()
+            self.trace = None
+        if self.server is not None:
+            self.server.close()
+        _LIVE.discard(self)
+
+    # --- messages ----------------------------------------------------------------------------------
+
+    def _now(self, now: float | None = None) -> float:
+        return (now if now is not None else time.monotonic()) - self._t0
+
+    def _hello_message(self) -> dict:
+        engine, config = self.engine, self.config
+        name = getattr(getattr(engine.model, "config", None), "_name_or_path", None)
+        model = config.model or name or type(engine.model).__name__
+        return message(
+            "hello", self.seq, self._now(), num_blocks=engine.pool.num_blocks, block_size=config.block_size,
+            num_cpu_blocks=_num_cpu_blocks(engine), backend=config.backend, model=str(model),
+            device=str(config.device), wall=time.time(),
+        )
+
+    def _snapshot_message(self, now: float | None = None) -> dict:
+        engine = self.engine
+        pool = engine.pool
+        requests = []
+        for rid, seqs in _live_groups(engine).items():
+            first = seqs[0]
+            requests.append({
+                "id": rid,
+                "state": first.status.value,
+                "prompt": len(first.prompt_token_ids),
+                "gen": max(len(s.output_token_ids) for s in seqs),
+                "computed": first.num_computed_tokens,
+                "blocks": [b for s in seqs for b in s.block_table.blocks],
+                "cpu_blocks": [b for s in seqs for b in _cpu_table(s)],
+                "preemptions": sum(s.num_preemptions for s in seqs),
+            })
+        return message(
+            "snapshot", self.seq, self._now(now), step=self.step, num_blocks=pool.num_blocks,
+            block_size=self.config.block_size, refs=list(pool.ref_counts), kept=sorted(pool.kept),
+            requests=requests, stats=self._stats(now if now is not None else time.monotonic()),
+        )
+
+    def _stats(self, now: float) -> dict:
+        engine = self.engine
+        pool, sched, stats = engine.pool, engine.scheduler, engine.stats
+        running = list(sched.running)
+        held = sum(s.num_computed_tokens for s in running)
+        used = pool.num_used
+        slots = used * self.config.block_size
+        return {
+            "running": len(running),
+            "waiting": len(sched.waiting),
+            "swapped": len(getattr(sched, "swapped", ()) or ()),
+            "used": used,
+            "cached": len(pool.kept),
+            "free": pool.num_free,
+            "kv_usage": round(100.0 * used / pool.num_blocks, 2),
+            "waste": round(max(0.0, 100.0 * (1.0 - held / slots)) if slots else 0.0, 2),
+            "generated": stats.generated_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "preemptions": stats.preemptions,
+            "finished": stats.finished,
+            **self._counters,
+        }
+
+    def _progress(self) -> dict:
+        return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in self.engine.scheduler.running}
+
+    def _count(self, kind: str, data: dict) -> None:
+        c = self._counters
+        if kind == "block_share":
+            c["prefix_hit_tokens"] += self.config.block_size
+        elif kind == "block_cow":
+            c["cow"] += 1
+        elif kind == "block_swap_out":
+            c["swap_out"] += 1
+        elif kind == "block_swap_in":
+            c["swap_in"] += 1
+        elif kind == "block_evict":
+            c["evicted"] += 1
+
+
+# --- reading the engine (also used by tests to compare with a monitor's state) ------------------------
+
+
+def _live_groups(engine: Any) -> dict[str, list[Any]]:
+    sched = engine.scheduler
+    groups: dict[str, list[Any]] = {}
+    for seq in [*sched.running, *sched.waiting, *(getattr(sched, "swapped", ()) or ())]:
+        if not seq.is_finished:
+            groups.setdefault(seq.request_id, []).append(seq)
+    return groups
+
+
+def _cpu_table(seq: Any) -> list[int]:
+    table = getattr(seq, "cpu_block_table", None)
+    if table is None:
+        return []
+    return list(getattr(table, "blocks", table))
+
+
+def _num_cpu_blocks(engine: Any) -> int:
+    swap = getattr(engine.config, "swap_space", None)
+    if not swap:
+        return 0
+    return int(swap) // max(1, engine.spec.bytes_per_block)
+
+
+def engine_block_map(engine: Any) -> list[tuple[str, int, tuple[str, ...]]]:
+    """Every GPU block as ``(state, refs, sorted holders)``: the form ``MonitorState.block_map()`` gives."""
+    pool = engine.pool
+    holders: list[list[str]] = [[] for _ in range(pool.num_blocks)]
+    for rid, seqs in _live_groups(engine).items():
+        for seq in seqs:
+            for b in seq.block_table.blocks:
+                holders[b].append(rid)
+    out = []
+    for b, refs in enumerate(pool.ref_counts):
+        if refs == 0:
+            out.append(("cached" if b in pool.kept else "free", 0, ()))
+        else:
+            out.append(("shared" if refs > 1 else "used", refs, tuple(sorted(holders[b]))))
+    return out
+
+
+def engine_request_tables(engine: Any) -> dict[str, list[int]]:
+    return {rid: [b for s in seqs for b in s.block_table.blocks] for rid, seqs in _live_groups(engine).items()}
