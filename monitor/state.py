@@ -31,6 +31,7 @@ class RequestInfo:
     cpu_blocks: list[int] = field(default_factory=list)
     preemptions: int = 0
     finish_reason: str | None = None
+    samples: int = 1  # sequences still live (n > 1 requests finish one sample at a time)
 
 
 class MonitorState:
@@ -79,6 +80,9 @@ class MonitorState:
     def block_map(self) -> list[tuple[str, int, tuple[str, ...]]]:
         """Every GPU block as ``(state, refs, sorted holders)``, comparable with the engine's."""
         return [(self.block_state(b), self.refs[b], tuple(sorted(self.holders[b]))) for b in range(self.num_blocks)]
+
+    def cpu_map(self) -> dict[int, str]:
+        return dict(self.cpu_holders)
 
     def request_tables(self) -> dict[str, list[int]]:
         return {r.id: list(r.blocks) for r in self.requests.values() if r.state != "finished"}
@@ -159,6 +163,7 @@ class MonitorState:
             req.generated = int(item.get("gen", req.generated))
             req.computed = int(item.get("computed", req.computed))
             req.preemptions = int(item.get("preemptions", req.preemptions))
+            req.samples = int(item.get("samples", req.samples))
             req.blocks = list(item.get("blocks", []))
             cpu = list(item.get("cpu_blocks", []))
             if cpu or req.cpu_blocks:
@@ -349,6 +354,7 @@ class MonitorState:
     def _ev_request_add(self, d: dict) -> None:
         req = self._request(str(d["request"]))
         req.state, req.prompt = "waiting", int(d.get("prompt_tokens", 0))
+        req.samples = max(1, int(d.get("n", 1)))
         self.dirty_requests.add(req.id)
 
     def _ev_request_schedule(self, d: dict) -> None:
@@ -366,11 +372,28 @@ class MonitorState:
 
     def _ev_request_finish(self, d: dict) -> None:
         req = self._request(str(d["request"]))
-        req.state, req.finish_reason = "finished", d.get("reason")
+        req.samples -= 1
+        if req.samples <= 0:
+            req.state, req.finish_reason = "finished", d.get("reason")
         self.dirty_requests.add(req.id)
 
 
+def _ev_request_swap_out(self: MonitorState, d: dict) -> None:
+    req = self._request(str(d["request"]))
+    req.state = "swapped"
+    self.dirty_requests.add(req.id)
+
+
+def _ev_request_swap_in(self: MonitorState, d: dict) -> None:
+    req = self._request(str(d["request"]))
+    req.state = "running"
+    self.dirty_requests.add(req.id)
+
+
 _HANDLERS = {
+    "request_swap_out": _ev_request_swap_out,
+    "request_swap_in": _ev_request_swap_in,
+    "request_fork": lambda self, d: None,
     "block_alloc": MonitorState._ev_alloc,
     "block_share": MonitorState._ev_share,
     "block_unshare": MonitorState._ev_unshare,

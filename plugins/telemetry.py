@@ -76,7 +76,7 @@ class Telemetry:
         self._keyframe: bytes = b""
         self._backlog: list[bytes] = []  # deltas since the keyframe
         self._keyframe_at = (0, 0.0)  # (step, time) of the newest keyframe
-        self._counters = {"prefix_hit_tokens": 0, "cow": 0, "swap_out": 0, "swap_in": 0, "evicted": 0}
+        self._counters = {"cow": 0, "swap_out": 0, "swap_in": 0, "evicted": 0}  # blocks, from events
         self._last_step_t = self._t0
         self._lock: Any = None
 
@@ -196,9 +196,10 @@ class Telemetry:
                 "prompt": len(first.prompt_token_ids),
                 "gen": max(len(s.output_token_ids) for s in seqs),
                 "computed": first.num_computed_tokens,
-                "blocks": [b for s in seqs for b in s.block_table.blocks],
-                "cpu_blocks": [b for s in seqs for b in _cpu_table(s)],
+                "blocks": list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks)),
+                "cpu_blocks": [b for s in seqs for b in _cpu_table(engine, s)],
                 "preemptions": sum(s.num_preemptions for s in seqs),
+                "samples": len(seqs) + sum(getattr(s, "pending_forks", 0) or 0 for s in seqs),
             })
         return message(
             "snapshot", self.seq, self._now(now), step=self.step, num_blocks=pool.num_blocks,
@@ -227,16 +228,29 @@ class Telemetry:
             "preemptions": stats.preemptions,
             "finished": stats.finished,
             **self._counters,
+            **self._plugin_stats(),
         }
+
+    def _plugin_stats(self) -> dict:
+        """What other plugins report (prefix hit rate, CoW copies, swaps), when they are there."""
+        hook = getattr(self.engine.pm.hook, "pagedkv_report_stats", None)
+        if hook is None:
+            return {}
+        merged: dict = {}
+        try:
+            for answer in hook():
+                if isinstance(answer, dict):
+                    merged.update({k: v for k, v in answer.items() if isinstance(v, (int, float, str))})
+        except Exception:  # noqa: BLE001 - a broken counter must not stop telemetry
+            return {}
+        return merged
 
     def _progress(self) -> dict:
         return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in self.engine.scheduler.running}
 
     def _count(self, kind: str, data: dict) -> None:
         c = self._counters
-        if kind == "block_share":
-            c["prefix_hit_tokens"] += self.config.block_size
-        elif kind == "block_cow":
+        if kind == "block_cow":
             c["cow"] += 1
         elif kind == "block_swap_out":
             c["swap_out"] += 1
@@ -258,18 +272,34 @@ def _live_groups(engine: Any) -> dict[str, list[Any]]:
     return groups
 
 
-def _cpu_table(seq: Any) -> list[int]:
-    table = getattr(seq, "cpu_block_table", None)
-    if table is None:
+def _cpu_table(engine: Any, seq: Any) -> list[int]:
+    """The sequence's blocks in the CPU swap pool (the cpu_swap plugin keeps them by ``seq_id``)."""
+    swapper = getattr(engine.scheduler, "swapper", None)
+    tables = getattr(swapper, "cpu_blocks", None)
+    if not tables:
         return []
-    return list(getattr(table, "blocks", table))
+    return list(tables.get(getattr(seq, "seq_id", None), ()))
 
 
 def _num_cpu_blocks(engine: Any) -> int:
+    swapper = getattr(engine.scheduler, "swapper", None)
+    cpu_pool = getattr(swapper, "cpu_pool", None)
+    if cpu_pool is not None:
+        return cpu_pool.num_blocks
     swap = getattr(engine.config, "swap_space", None)
     if not swap:
         return 0
-    return int(swap) // max(1, engine.spec.bytes_per_block)
+    return int(swap) // max(1, engine.spec.bytes_per_block)  # cpu_swap's own sizing, before it starts
+
+
+def engine_cpu_map(engine: Any) -> dict[int, str]:
+    """CPU swap block -> the request whose KV it holds."""
+    out = {}
+    for rid, seqs in _live_groups(engine).items():
+        for seq in seqs:
+            for b in _cpu_table(engine, seq):
+                out[b] = rid
+    return out
 
 
 def engine_block_map(engine: Any) -> list[tuple[str, int, tuple[str, ...]]]:
@@ -290,4 +320,8 @@ def engine_block_map(engine: Any) -> list[tuple[str, int, tuple[str, ...]]]:
 
 
 def engine_request_tables(engine: Any) -> dict[str, list[int]]:
-    return {rid: [b for s in seqs for b in s.block_table.blocks] for rid, seqs in _live_groups(engine).items()}
+    """Each live request's GPU blocks in block-table order (samples of one request: each block once)."""
+    return {
+        rid: list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks))
+        for rid, seqs in _live_groups(engine).items()
+    }

@@ -393,3 +393,42 @@ def test_protocol_decode_rejects_garbage():
         decode(b"\xff\xfe{")
     with pytest.raises(ProtocolError, match="empty line"):
         decode("   ")
+
+
+class FullRecorder(StepRecorder):
+    @telemetry.hookimpl
+    def pagedkv_on_step_events(self, events):
+        super().pagedkv_on_step_events(events)
+        self.cpu_maps = getattr(self, "cpu_maps", [])
+        self.cpu_maps.append(telemetry.engine_cpu_map(self.engine))
+
+
+def test_prefix_cache_cow_and_swap_events_replay_exactly(tiny_llama, tmp_path):
+    recorder = FullRecorder()
+    engine = Engine(
+        EngineConfig(device="cpu", num_blocks=16, block_size=4, max_num_batched_tokens=32, trace=str(tmp_path / "t"),
+                     enable_prefix_caching=True, enable_copy_on_write=True, swap_space=64 * 1024,
+                     plugin_options={"telemetry": {"keyframe_steps": 1000, "keyframe_s": 1e9}}),
+        model=tiny_llama, plugins=(telemetry, recorder),
+    )
+    shared = random_prompts([9], seed=7)[0]
+    for i, tail in enumerate(random_prompts([5, 6, 4], seed=8)):
+        engine.add_request(shared + tail, SamplingParams(max_tokens=12, ignore_eos=True, n=2 if i == 0 else 1))
+    while engine.has_unfinished() and len(recorder.maps) < 16:
+        engine.step()
+    telemetry.close(engine)
+    trace = read_trace(tmp_path / "t")
+    kinds = {ev[0] for m in trace.messages if m["type"] == "delta" for ev in m["events"]}
+    state = MonitorState()
+    for msg in trace.messages:
+        if msg["type"] == "snapshot" and msg["seq"] > 0:
+            continue
+        state.apply(msg)
+        if msg["type"] == "delta":
+            i = msg["seq"] - 1
+            assert state.block_map() == recorder.maps[i], f"step {msg['step']}"
+            assert state.cpu_map() == recorder.cpu_maps[i], f"step {msg['step']}"
+            assert {k: set(v) for k, v in state.request_tables().items()} == {
+                k: set(v) for k, v in recorder.tables[i].items()}
+    assert state.num_cpu_blocks > 0 and state.unknown_events == {}
+    assert {"block_share", "block_keep", "block_cow", "block_swap_out", "block_swap_in", "request_fork"} <= kinds

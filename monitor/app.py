@@ -1,0 +1,328 @@
+"""The Textual dashboard: block map(s), request table, metrics, legend, keys.
+
+Messages arrive from a source (a live stream or a recorded trace) into a plain
+queue; a 10 Hz timer applies them to the :class:`MonitorState` and redraws only
+what the reducer marks dirty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import events
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Footer, Header, Sparkline, Static
+
+from pagedkv.monitor.blockmap import GREY, LOOKS, BlockMap, owner_color
+from pagedkv.monitor.state import CACHED, FREE, SHARED, USED, MonitorState
+from pagedkv.monitor.trace import Trace, TraceError, apply_message
+from pagedkv.plugins.telemetry_protocol import ProtocolError
+
+TICK_S = 0.1
+MAX_PENDING = 20_000  # live messages held while paused; beyond this they are dropped (the next keyframe heals)
+COLUMNS = ("", "request", "state", "prompt", "gen", "blocks", "preempt")
+
+
+class MonitorApp(App):
+    CSS_PATH = "monitor.tcss"
+    TITLE = "pagedkv monitor"
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("p", "toggle_pause", "Pause"),
+        Binding("n", "step", "Step"),
+        Binding("plus,equals_sign", "speed(2.0)", "Faster", show=False),
+        Binding("minus", "speed(0.5)", "Slower", show=False),
+        Binding("escape", "select(None)", "Clear selection", show=False),
+    ]
+
+    def __init__(
+        self,
+        *,
+        trace: Trace | None = None,
+        connect: str | None = None,
+        speed: float = 1.0,
+        on_start: Callable[[], Any] | None = None,
+        capture: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.on_start, self.capture = on_start, capture  # engine run --monitor: start the engine, keep its prints
+        if (trace is None) == (connect is None):
+            raise ValueError("give exactly one of trace= and connect=")
+        self.state = MonitorState()
+        self.trace, self.connect, self.speed = trace, connect, speed
+        self.paused = False
+        self.pending: deque[dict] = deque()  # live messages not yet applied
+        self.statuses: deque[tuple[str, str]] = deque()
+        self.client: Any = None
+        self.connected = False
+        self.banner_text = ""
+        self.banner_kind = ""
+        self.selected: str | None = None
+        self.failed = False
+        self._cursor = 0  # replay: next message
+        self._clock = 0.0  # replay: trace time shown so far
+        self._last_tick = time.monotonic()
+        self._table_rows: set[str] = set()
+
+    # --- layout -------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        yield Static("", id="banner")
+        with Horizontal(id="main"):
+            with Vertical(id="maps"):
+                yield Static("GPU blocks", id="gpu-title", classes="title")
+                yield BlockMap("gpu", id="gpu")
+                yield Static("CPU swap blocks", id="cpu-title", classes="title")
+                yield BlockMap("cpu", id="cpu")
+                yield Static(self._legend(), id="legend")
+            with Vertical(id="side"):
+                yield Static("Requests  (enter: show a request's blocks in table order)", classes="title")
+                yield DataTable(id="requests", cursor_type="row", zebra_stripes=True)
+                with Vertical(id="metrics"):
+                    yield Static("", id="kv-label", classes="metric")
+                    yield Sparkline([], id="kv", summary_function=max)
+                    yield Static("", id="waste-label", classes="metric")
+                    yield Sparkline([], id="waste", summary_function=max)
+                    yield Static("", id="toks-label", classes="metric")
+                    yield Sparkline([], id="toks", summary_function=max)
+                    yield Static("", id="counters")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#requests", DataTable)
+        for name in COLUMNS:
+            table.add_column(name, key=name or "color")
+        self.query_one("#gpu", BlockMap).attach(self.state)
+        self.query_one("#cpu", BlockMap).attach(self.state)
+        self._show_cpu(False)
+        if self.trace is not None:
+            self.sub_title = f"replay {self.trace.path.name} at {self._speed_text()}"
+            if self.trace.error is not None:
+                self.set_banner(f"{self.trace.error} — showing the {len(self.trace.messages)} messages before it",
+                                "error")
+        else:
+            from pagedkv.monitor.client import StreamClient
+
+            self.sub_title = f"live {self.connect}"
+            self.set_banner(f"connecting to {self.connect}…", "warn")
+            self.client = StreamClient(self.connect, self.pending.append,
+                                       lambda kind, text: self.statuses.append((kind, text))).start()
+        if self.capture is not None:
+            self.begin_capture_print(self, stdout=True, stderr=True)
+        if self.on_start is not None:
+            self.on_start()
+        self.set_interval(TICK_S, self.tick)
+        self.tick()
+
+    def on_print(self, event: events.Print) -> None:
+        if self.capture is not None:
+            self.capture.append(event.text)
+
+    def on_unmount(self) -> None:
+        if self.client is not None:
+            self.client.stop()
+
+    @staticmethod
+    def _legend() -> Text:
+        text = Text()
+        for label, (glyph, color) in (
+            ("free", LOOKS[FREE]), ("used (owner color)", (LOOKS[USED][0], owner_color(0))),
+            ("shared ref>1", LOOKS[SHARED]), ("cached, evictable", LOOKS[CACHED]),
+            ("swapped to CPU", (LOOKS["swapped"][0], owner_color(1))),
+        ):
+            text.append(f" {glyph} ", style=f"bold {color}")
+            text.append(label + "  ", style="#a8a8a8")
+        text.append(" 07 ", style=f"bold #000000 on {owner_color(2)}")
+        text.append("selected request: logical block index", style="#a8a8a8")
+        return text
+
+    # --- feeding the state ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        elapsed, self._last_tick = now - self._last_tick, now
+        while self.statuses:
+            self._on_status(*self.statuses.popleft())
+        if self.failed:
+            return
+        if self.trace is not None:
+            if not self.paused:
+                self._clock += elapsed * self.speed if self.speed > 0 else float("inf")
+                self._play_until(self._clock)
+        elif not self.paused:
+            while self.pending:
+                self._apply(self.pending.popleft())
+        elif len(self.pending) > MAX_PENDING:
+            self.pending.clear()  # the reducer sees the gap and waits for the next keyframe
+        self.refresh_views()
+
+    def _play_until(self, clock: float) -> None:
+        trace = self.trace
+        assert trace is not None
+        messages = trace.messages
+        start = messages[0].get("t", 0.0) if messages else 0.0
+        while self._cursor < len(messages) and messages[self._cursor].get("t", 0.0) - start <= clock:
+            self._apply_trace_message()
+        if self._cursor >= len(messages) and not self.failed and trace.error is None:
+            self.set_banner(f"end of replay: {len(messages)} messages, step {self.state.step}", "info")
+
+    def _apply_trace_message(self) -> None:
+        trace = self.trace
+        assert trace is not None
+        try:
+            apply_message(self.state, trace, self._cursor)
+        except TraceError as exc:
+            self.failed = True
+            self.set_banner(f"{exc} — replay stopped", "error")
+        self._cursor += 1
+
+    def _apply(self, msg: dict) -> None:
+        try:
+            self.state.apply(msg)
+        except ProtocolError as exc:
+            self.set_banner(f"bad message from the engine ({exc}); waiting for the next snapshot", "error")
+            self.state.synced = False
+
+    def _on_status(self, kind: str, text: str) -> None:
+        if kind == "connected":
+            self.connected = True
+            self.set_banner(f"connected to {text}; waiting for a snapshot…", "warn")
+        elif kind == "disconnected":
+            self.connected = False
+            ended = " (the run ended)" if self.state.ended else ""
+            self.set_banner(f"engine disconnected{ended}: {text} — showing the last state", "error")
+        elif kind == "error":
+            self.set_banner(text, "error")
+
+    # --- drawing ----------------------------------------------------------------------------------------
+
+    def set_banner(self, text: str, kind: str = "info") -> None:
+        self.banner_text, self.banner_kind = text, kind
+        banner = self.query_one("#banner", Static)
+        banner.update(text)
+        banner.set_classes(f"-{kind}" if text else "")
+        banner.display = bool(text)
+
+    def _show_cpu(self, show: bool) -> None:
+        for name in ("#cpu", "#cpu-title"):
+            self.query_one(name).display = show
+
+    def refresh_views(self) -> None:
+        state = self.state
+        everything, blocks, cpu_blocks, requests = state.take_dirty()
+        stale = self.trace is None and (not self.connected or not state.synced) and state.seq is not None
+        gpu, cpu = self.query_one("#gpu", BlockMap), self.query_one("#cpu", BlockMap)
+        if everything:
+            self._show_cpu(state.num_cpu_blocks > 0)
+            self.title = f"pagedkv monitor — {state.model}"
+        if self.trace is None and self.connected and state.synced and self.banner_kind == "warn":
+            self.set_banner("")
+        for grid, dirty in ((gpu, blocks), (cpu, cpu_blocks)):
+            grid.set_greyed(stale)
+            grid.update_blocks(everything, dirty)
+            if requests:
+                grid.refresh_selection()
+        self._update_table(requests)
+        self._update_metrics()
+
+    def _update_table(self, dirty: set[str]) -> None:
+        table = self.query_one("#requests", DataTable)
+        for rid in sorted(dirty, key=lambda r: (len(r), r)):
+            req = self.state.requests.get(rid)
+            if req is None:
+                if rid in self._table_rows:
+                    table.remove_row(rid)
+                    self._table_rows.discard(rid)
+                continue
+            cells = (
+                Text("■", style=owner_color(req.color)), rid, Text(req.state, style=_STATE_STYLES.get(req.state, "")),
+                str(req.prompt), str(req.generated), str(len(req.blocks) + len(req.cpu_blocks)), str(req.preemptions),
+            )
+            if rid in self._table_rows:
+                for name, value in zip(COLUMNS, cells):
+                    table.update_cell(rid, name or "color", value)
+            else:
+                table.add_row(*cells, key=rid)
+                self._table_rows.add(rid)
+
+    def _update_metrics(self) -> None:
+        state, s = self.state, self.state.stats
+        history = state.history
+        self.query_one("#kv", Sparkline).data = list(history["kv_usage"]) or [0.0]
+        self.query_one("#waste", Sparkline).data = list(history["waste"]) or [0.0]
+        self.query_one("#toks", Sparkline).data = list(history["tok_s"]) or [0.0]
+        self.query_one("#kv-label", Static).update(
+            f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]   {s.get('used', 0)} used · {s.get('cached', 0)} cached"
+            f" · {s.get('free', 0)} free of {state.num_blocks}"
+        )
+        waste = s.get("waste", 0.0)
+        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  (slots not holding a token)")
+        self.query_one("#toks-label", Static).update(f"tokens/s [b]{state.tokens_per_s:7.1f}[/]")
+        hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
+        pause = "  [reverse] PAUSED [/]" if self.paused else ""
+        self.query_one("#counters", Static).update(
+            f"running [b]{s.get('running', 0)}[/]  waiting [b]{s.get('waiting', 0)}[/]  "
+            f"swapped [b]{s.get('swapped', 0)}[/]  finished [b]{s.get('finished', 0)}[/]\n"
+            f"prefix hit [b]{hit:.1f}%[/]  CoW copies [b]{s.get('cow', 0)}[/]  "
+            f"swapped out/in [b]{s.get('swap_out', 0)}/{s.get('swap_in', 0)}[/] blocks  "
+            f"evicted [b]{s.get('evicted', 0)}[/]\n"
+            f"preemptions [b]{s.get('preemptions', 0)}[/]  step [b]{state.step}[/]  seq {state.seq}{pause}"
+        )
+
+    # --- keys ----------------------------------------------------------------------------------------------
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self._last_tick = time.monotonic()
+        self.refresh_views()
+
+    def action_step(self) -> None:
+        """Paused: apply the next step (a replay's next delta or snapshot, or the next live message)."""
+        self.paused = True
+        if self.trace is not None:
+            messages = self.trace.messages
+            start = messages[0].get("t", 0.0) if messages else 0.0
+            while self._cursor < len(messages) and not self.failed:
+                kind = messages[self._cursor]["type"]
+                self._clock = messages[self._cursor].get("t", 0.0) - start
+                self._apply_trace_message()
+                if kind in ("delta", "snapshot"):
+                    break
+        elif self.pending:
+            self._apply(self.pending.popleft())
+        self.refresh_views()
+
+    def action_speed(self, factor: float) -> None:
+        if self.trace is not None and self.speed > 0:
+            self.speed = min(1000.0, max(0.05, self.speed * factor))
+            self.sub_title = f"replay {self.trace.path.name} at {self._speed_text()}"
+
+    def _speed_text(self) -> str:
+        return "full speed" if self.speed <= 0 else f"{self.speed:g}x"
+
+    def action_select(self, request_id: str | None) -> None:
+        self.selected = request_id
+        for grid in self.query(BlockMap):
+            grid.select(request_id)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        rid = event.row_key.value
+        self.action_select(None if rid == self.selected else rid)
+
+
+_STATE_STYLES = {"running": "bold #87d75f", "waiting": "#ffaf5f", "swapped": "#d787ff", "finished": GREY}
+
+
+def load_replay(path: str | Path) -> Trace:
+    """Read a trace for the dashboard: a bad line ends the replay there, with a banner naming it."""
+    from pagedkv.monitor.trace import read_trace
+
+    return read_trace(path, strict=False)

@@ -1,0 +1,108 @@
+"""Entry points: ``engine monitor --connect ADDR | --replay FILE [--speed X]`` and ``engine run --monitor``.
+
+Textual is imported here, lazily, and only by the monitor: the engine and the
+telemetry plugin never need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+from pagedkv.core.errors import PagedKVError
+
+
+class MonitorError(PagedKVError):
+    """The monitor cannot start (missing Textual, unreadable trace, bad address)."""
+
+
+def _need_textual() -> None:
+    try:
+        import textual  # noqa: F401
+    except ImportError:
+        raise MonitorError("the monitor needs Textual: pip install 'pagedkv[monitor]'") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--connect", metavar="ADDR", help="watch a live engine: unix:PATH or tcp:127.0.0.1:PORT")
+    source.add_argument("--replay", metavar="FILE", help="replay a trace recorded with engine run --trace FILE")
+    parser.add_argument("--speed", type=float, default=1.0, help="replay speed factor (0: as fast as possible)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``engine monitor``: returns the exit status."""
+    from pagedkv.plugins.telemetry_address import parse_address
+
+    if args.connect:
+        parse_address(args.connect, allow_port_zero=False)  # refuse a non-loopback address up front
+    _need_textual()
+    from pagedkv.monitor.app import MonitorApp, load_replay
+    from pagedkv.monitor.trace import TraceError
+
+    if args.replay:
+        try:
+            trace = load_replay(args.replay)
+        except TraceError as exc:
+            raise MonitorError(str(exc)) from None
+        if not trace.messages:
+            raise MonitorError(str(trace.error))
+        app = MonitorApp(trace=trace, speed=args.speed)
+    else:
+        app = MonitorApp(connect=args.connect)
+    app.run()
+    return 0
+
+
+def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Namespace], int]) -> int:
+    """``engine run --monitor``: the engine works on a thread while the dashboard runs in this process.
+
+    Telemetry goes over a private Unix socket (in a fresh 0700 directory) unless
+    ``--telemetry`` names one. What the run prints is shown after the dashboard closes.
+    """
+    _need_textual()
+    from pagedkv.monitor.app import MonitorApp
+
+    run_args = copy.copy(args)
+    run_args.monitor = False
+    tmpdir = None
+    if not getattr(args, "telemetry", None):
+        tmpdir = tempfile.mkdtemp(prefix="pagedkv-monitor-")
+        run_args.telemetry = f"unix:{os.path.join(tmpdir, 'telemetry.sock')}"
+    result: dict = {}
+
+    def work() -> None:
+        try:
+            result["rc"] = cmd_run(run_args)
+        except PagedKVError as exc:
+            result["error"] = exc
+        except Exception as exc:  # noqa: BLE001 - reported after the dashboard closes
+            result["error"] = exc
+
+    captured: list[str] = []
+    worker = threading.Thread(target=work, name="pagedkv-engine", daemon=True)
+    app = MonitorApp(connect=run_args.telemetry, on_start=worker.start, capture=captured)
+    app.run()
+    sys.stdout.write("".join(captured))
+    if worker.is_alive():
+        print("engine: the monitor was closed; the run goes on (Ctrl-C to stop it)", file=sys.stderr, flush=True)
+        try:
+            worker.join()
+        except KeyboardInterrupt:
+            return 130
+    if tmpdir is not None:
+        try:
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+    if "error" in result:
+        error = result["error"]
+        if isinstance(error, PagedKVError):
+            raise error
+        raise MonitorError(f"the engine failed: {error!r}")
+    return int(result.get("rc", 1))
