@@ -81,7 +81,16 @@ def test_engine_refuses_a_remote_address_before_loading_anything(monkeypatch):
     monkeypatch.setattr(socket, "socket", lambda *a, **k: pytest.fail("a socket was created"))
     config = EngineConfig(device="cpu", model="/nonexistent/model", telemetry="tcp:192.168.1.10:7000")
     with pytest.raises(TelemetryAddressError, match="not a loopback"):
-        Engine(config, plugins=(telemetry,))
+        Engine(config)
+
+
+def test_cli_refuses_a_remote_address(capsys):
+    from pagedkv.core.cli import main
+
+    assert main(["run", "--model", "/nonexistent", "--telemetry", "tcp:example.com:80"]) == 2
+    assert "not an IP literal" in capsys.readouterr().err
+    assert main(["monitor", "--connect", "tcp:1.2.3.4:80"]) == 2
+    assert "not a loopback" in capsys.readouterr().err
 
 
 # --- recording and replaying ---------------------------------------------------------------------------
@@ -111,7 +120,7 @@ def run_engine(model, tmp_path, *, num_blocks=20, keyframe_steps=5, abort_at=Non
     engine = Engine(
         EngineConfig(device="cpu", num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32,
                      plugin_options=options, **config),
-        model=model, plugins=(telemetry, recorder),
+        model=model, plugins=(recorder,),
     )
     for prompt in random_prompts([6, 11, 17, 9, 14, 5], seed=3):
         engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
@@ -306,7 +315,7 @@ def test_monitor_client_on_a_unix_socket_ends_with_the_engine_block_map(tiny_lla
     engine = Engine(
         EngineConfig(device="cpu", num_blocks=20, block_size=4, telemetry=f"unix:{sock_path}",
                      plugin_options={"telemetry": {"keyframe_steps": 4, "heartbeat_s": 0.1}}),
-        model=tiny_llama, plugins=(telemetry,),
+        model=tiny_llama,
     )
     assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
     state, lock, statuses = MonitorState(), threading.Lock(), []
@@ -343,7 +352,7 @@ def test_a_slow_client_never_blocks_the_engine_and_resyncs(tiny_llama, tmp_path)
         EngineConfig(device="cpu", num_blocks=20, block_size=4, telemetry="tcp:127.0.0.1:0",
                      plugin_options={"telemetry": {"keyframe_steps": 3, "queue_lines": 4, "heartbeat_s": 0.05,
                                                    "socket_sndbuf": 4096}}),
-        model=tiny_llama, plugins=(telemetry,),
+        model=tiny_llama,
     )
     tel = telemetry.find(engine)
     address = parse_address(tel.server.bound)
@@ -379,9 +388,10 @@ def test_core_does_not_import_textual(tmp_path):
         "from pagedkv import Engine, EngineConfig, SamplingParams\n"
         "import pagedkv.core.cli, pagedkv.plugins.telemetry as t, pagedkv.monitor.state, pagedkv.monitor.client\n"
         f"e = Engine(EngineConfig(device='cpu', num_blocks=8, block_size=4, trace={str(tmp_path / 'x')!r}),"
-        " model=_tiny_llama(), plugins=(t,))\n"
+        " model=_tiny_llama())\n"
         "e.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))\n"
         "while e.has_unfinished(): e.step()\n"
+        "assert t.find(e) is not None, 'the telemetry entry point is registered'\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual was imported'\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -409,7 +419,7 @@ def test_prefix_cache_cow_and_swap_events_replay_exactly(tiny_llama, tmp_path):
         EngineConfig(device="cpu", num_blocks=16, block_size=4, max_num_batched_tokens=32, trace=str(tmp_path / "t"),
                      enable_prefix_caching=True, enable_copy_on_write=True, swap_space=64 * 1024,
                      plugin_options={"telemetry": {"keyframe_steps": 1000, "keyframe_s": 1e9}}),
-        model=tiny_llama, plugins=(telemetry, recorder),
+        model=tiny_llama, plugins=(recorder,),
     )
     shared = random_prompts([9], seed=7)[0]
     for i, tail in enumerate(random_prompts([5, 6, 4], seed=8)):
