@@ -18,6 +18,7 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Sparkline, Static
 
 from pagedkv.monitor.blockmap import GREY, LOOKS, BlockMap, owner_color
@@ -28,6 +29,7 @@ from pagedkv.plugins.telemetry_protocol import ProtocolError
 TICK_S = 0.1
 MAX_PENDING = 20_000  # live messages held while paused; beyond this they are dropped (the next keyframe heals)
 COLUMNS = ("", "request", "state", "prompt", "gen", "blocks", "preempt")
+HEADERS = ("", "id", "state", "prompt", "gen", "blk", "pre")
 
 
 class MonitorApp(App):
@@ -70,6 +72,8 @@ class MonitorApp(App):
         self._clock = 0.0  # replay: trace time shown so far
         self._last_tick = time.monotonic()
         self._table_rows: set[str] = set()
+        self._timer: Any = None
+        self._replay_done = False
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class MonitorApp(App):
                 yield BlockMap("cpu", id="cpu")
                 yield Static(self._legend(), id="legend")
             with Vertical(id="side"):
-                yield Static("Requests  (enter: show a request's blocks in table order)", classes="title")
+                yield Static("Requests  [dim](enter: show its blocks)[/]", classes="title")
                 yield DataTable(id="requests", cursor_type="row", zebra_stripes=True)
                 with Vertical(id="metrics"):
                     yield Static("", id="kv-label", classes="metric")
@@ -98,8 +102,8 @@ class MonitorApp(App):
 
     def on_mount(self) -> None:
         table = self.query_one("#requests", DataTable)
-        for name in COLUMNS:
-            table.add_column(name, key=name or "color")
+        for name, header in zip(COLUMNS, HEADERS):
+            table.add_column(header, key=name or "color")
         self.query_one("#gpu", BlockMap).attach(self.state)
         self.query_one("#cpu", BlockMap).attach(self.state)
         self._show_cpu(False)
@@ -119,7 +123,7 @@ class MonitorApp(App):
             self.begin_capture_print(self, stdout=True, stderr=True)
         if self.on_start is not None:
             self.on_start()
-        self.set_interval(TICK_S, self.tick)
+        self._timer = self.set_interval(TICK_S, self.tick)
         self.tick()
 
     def on_print(self, event: events.Print) -> None:
@@ -127,6 +131,8 @@ class MonitorApp(App):
             self.capture.append(event.text)
 
     def on_unmount(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
         if self.client is not None:
             self.client.stop()
 
@@ -134,19 +140,25 @@ class MonitorApp(App):
     def _legend() -> Text:
         text = Text()
         for label, (glyph, color) in (
-            ("free", LOOKS[FREE]), ("used (owner color)", (LOOKS[USED][0], owner_color(0))),
-            ("shared ref>1", LOOKS[SHARED]), ("cached, evictable", LOOKS[CACHED]),
-            ("swapped to CPU", (LOOKS["swapped"][0], owner_color(1))),
+            ("free", LOOKS[FREE]), ("used (owner)", (LOOKS[USED][0], owner_color(0))),
+            ("shared", LOOKS[SHARED]), ("cached", LOOKS[CACHED]),
+            ("swapped", (LOOKS["swapped"][0], owner_color(1))),
         ):
-            text.append(f" {glyph} ", style=f"bold {color}")
+            text.append(f"{glyph} ", style=f"bold {color}")
             text.append(label + "  ", style="#a8a8a8")
-        text.append(" 07 ", style=f"bold #000000 on {owner_color(2)}")
-        text.append("selected request: logical block index", style="#a8a8a8")
+        text.append(" 7", style=f"bold #000000 on {owner_color(2)}")
+        text.append(" selected: logical index", style="#a8a8a8")
         return text
 
     # --- feeding the state ------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        try:
+            self._tick()
+        except NoMatches:  # the app is shutting down: its widgets are gone
+            pass
+
+    def _tick(self) -> None:
         now = time.monotonic()
         elapsed, self._last_tick = now - self._last_tick, now
         while self.statuses:
@@ -171,7 +183,8 @@ class MonitorApp(App):
         start = messages[0].get("t", 0.0) if messages else 0.0
         while self._cursor < len(messages) and messages[self._cursor].get("t", 0.0) - start <= clock:
             self._apply_trace_message()
-        if self._cursor >= len(messages) and not self.failed and trace.error is None:
+        if self._cursor >= len(messages) and not self.failed and trace.error is None and not self._replay_done:
+            self._replay_done = True
             self.set_banner(f"end of replay: {len(messages)} messages, step {self.state.step}", "info")
 
     def _apply_trace_message(self) -> None:
@@ -260,20 +273,19 @@ class MonitorApp(App):
         self.query_one("#waste", Sparkline).data = list(history["waste"]) or [0.0]
         self.query_one("#toks", Sparkline).data = list(history["tok_s"]) or [0.0]
         self.query_one("#kv-label", Static).update(
-            f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]   {s.get('used', 0)} used · {s.get('cached', 0)} cached"
-            f" · {s.get('free', 0)} free of {state.num_blocks}"
+            f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]  {s.get('used', 0)} used · {s.get('cached', 0)} cached"
+            f" · {state.num_blocks} blocks"
         )
         waste = s.get("waste", 0.0)
-        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  (slots not holding a token)")
+        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots)[/]")
         self.query_one("#toks-label", Static).update(f"tokens/s [b]{state.tokens_per_s:7.1f}[/]")
         hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
         pause = "  [reverse] PAUSED [/]" if self.paused else ""
         self.query_one("#counters", Static).update(
             f"running [b]{s.get('running', 0)}[/]  waiting [b]{s.get('waiting', 0)}[/]  "
             f"swapped [b]{s.get('swapped', 0)}[/]  finished [b]{s.get('finished', 0)}[/]\n"
-            f"prefix hit [b]{hit:.1f}%[/]  CoW copies [b]{s.get('cow', 0)}[/]  "
-            f"swapped out/in [b]{s.get('swap_out', 0)}/{s.get('swap_in', 0)}[/] blocks  "
-            f"evicted [b]{s.get('evicted', 0)}[/]\n"
+            f"prefix hit [b]{hit:.1f}%[/]  CoW [b]{s.get('cow', 0)}[/]  "
+            f"swap out/in [b]{s.get('swap_out', 0)}/{s.get('swap_in', 0)}[/]  evicted [b]{s.get('evicted', 0)}[/]\n"
             f"preemptions [b]{s.get('preemptions', 0)}[/]  step [b]{state.step}[/]  seq {state.seq}{pause}"
         )
 

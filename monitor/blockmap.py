@@ -163,6 +163,7 @@ class BlockMap(ScrollView, can_focus=True):
             end = min(start + self.cols, self._count)
             segments = [self._segment(b) for b in range(start, end)]
             strip = Strip(segments, (end - start) * CELL_WIDTH) if segments else Strip.blank(0)
+            strip = strip.apply_style(self.rich_style)  # the widget's background under every cell
             self._rows[row] = strip
             self.rows_built += 1
         return strip
