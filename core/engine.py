@@ -35,7 +35,10 @@ class Engine:
     """Streaming inference over a paged KV cache.
 
     ``model``/``tokenizer`` may be given already loaded (tests build tiny ones);
-    otherwise ``config.model`` is loaded offline.
+    otherwise ``config.model`` is loaded offline. With ``simulate`` (an HF model
+    config, or anything with its shape fields) no model is loaded at all: a
+    stand-in runner produces token counts only, and the same pool, allocator,
+    scheduler and plugins run as in a real engine (``engine simulate``).
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Engine:
         model: Any = None,
         tokenizer: Any = None,
         plugins: tuple[Any, ...] = (),
+        simulate: Any = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
@@ -56,17 +60,19 @@ class Engine:
         allocator_entry = allocators.get(config.allocator)
         scheduler_entry = schedulers.get(config.scheduler)
 
-        if model is None:
-            from pagedkv.core.model_loader import load_model
-
-            model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+        if simulate is not None:
+            hf_config, self.backend = simulate, None
         else:
-            model = model.to(device=config.device, dtype=config.dtype).eval()
-        self.model, self.tokenizer = model, tokenizer
-        self.backend = backend_entry.factory(config)
+            if model is None:
+                from pagedkv.core.model_loader import load_model
 
-        hf_config = model.config
-        self.vocab_size = hf_config.vocab_size
+                model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+            else:
+                model = model.to(device=config.device, dtype=config.dtype).eval()
+            hf_config = model.config
+            self.backend = backend_entry.factory(config)
+        self.model, self.tokenizer = model, tokenizer
+        self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
         self.num_blocks = self._decide_num_blocks()
         self.capacity_tokens = self.num_blocks * config.block_size
@@ -86,11 +92,18 @@ class Engine:
             self.pm, "pagedkv_fork_after_prefill"
         ) else None
 
-        from pagedkv.core.model_runner import ModelRunner
+        if simulate is not None:
+            from pagedkv.core.simulated_runner import SimulatedRunner
 
-        self.runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
+            self.runner = SimulatedRunner()
+            self.eos_token_ids: frozenset[int] = frozenset()
+        else:
+            from pagedkv.core.model_runner import ModelRunner
+
+            self.runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
+            self.eos_token_ids = _eos_ids(model, tokenizer)
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._sharing = alloc_hooks is not None
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
@@ -349,6 +362,8 @@ class Engine:
 
     def _tokens_held(self) -> int:
         """Computed tokens in used blocks, counting a shared block once."""
+        if not self._sharing:  # nothing is shared: a cheap sum will do
+            return sum(s.num_computed_tokens for s in self.scheduler.running)
         bs = self.config.block_size
         fill: dict[int, int] = {}
         for seq in self.scheduler.running:
