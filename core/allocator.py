@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.plugin_guard import call_decision
 from pagedkv.core.sequence import Sequence
 
 
@@ -51,8 +52,8 @@ class PagedAllocator:
         if needed > self.pool.num_available:
             return False
         if shared is not None:
-            done = self.hooks is not None and self.hooks.pagedkv_copy_on_write(
-                seq=seq, logical_index=shared, allocator=self
+            done = self.hooks is not None and call_decision(
+                self.hooks.pagedkv_copy_on_write, seq=seq, logical_index=shared, allocator=self
             )
             if not done:
                 raise RuntimeError("a shared KV block is about to be written and no copy-on-write plugin handled it")
@@ -78,7 +79,7 @@ class PagedAllocator:
         """On admission, let a plugin hand over cached blocks; returns tokens skipped."""
         if self.hooks is None or seq.num_computed_tokens or len(seq.block_table):
             return 0
-        blocks = self.hooks.pagedkv_match_prefix(seq=seq, allocator=self)
+        blocks = call_decision(self.hooks.pagedkv_match_prefix, seq=seq, allocator=self)
         if not blocks:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last token

@@ -40,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
     run.add_argument("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    run.add_argument("--telemetry", default=None, metavar="ADDR",
+                     help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (loopback only)")
+    run.add_argument("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
+    run.add_argument("--monitor", action="store_true", help="watch the run in the live block-map dashboard")
+    monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE")
+    from pagedkv.monitor.main import add_arguments as add_monitor_arguments
+
+    add_monitor_arguments(monitor)
+    plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
+    plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     return parser
 
 
@@ -51,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "plugins":
+            return cmd_plugins(args)
+        if args.command == "monitor":
+            from pagedkv.monitor.main import run as run_monitor
+
+            return run_monitor(args)
     except PagedKVError as exc:
         print(f"engine: error: {exc}", file=sys.stderr)
         return 2
@@ -65,6 +81,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pagedkv.core.llm import apply_chat_template
     from pagedkv.core.sampling_params import SamplingParams
 
+    if getattr(args, "monitor", False):
+        from pagedkv.monitor.main import run_with_monitor
+
+        return run_with_monitor(args, cmd_run)
     config = EngineConfig(
         model=args.model,
         backend=args.backend,
@@ -82,6 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_copy_on_write=args.enable_copy_on_write,
         swap_space=args.swap_space,
+        telemetry=getattr(args, "telemetry", None),
+        trace=getattr(args, "trace", None),
     )
     engine = Engine(config)
     if not args.json:
@@ -105,6 +127,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for out in engine.step(stream=False):
             results[out.request_id] = out
     engine.stats.elapsed = time.perf_counter() - started
+    if config.telemetry or config.trace:
+        from pagedkv.plugins.telemetry import close as close_telemetry
+
+        close_telemetry(engine)  # the final snapshot and an end line, before the summary
     summary = summarize(engine)
     completions = [
         {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
@@ -147,7 +173,7 @@ def summarize(engine: Any) -> dict:
         "tokens_recomputed": s.tokens_recomputed,
         "prefill_tokens_computed": s.prefill_tokens_computed,
         "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
-        **{k: v for answer in engine.pm.hook.pagedkv_report_stats() for k, v in answer.items()},
+        **engine.plugin_stats(),
     }
 
 
@@ -167,6 +193,23 @@ def print_report(completions: list[dict], summary: dict) -> None:
         table.add_row(key.replace("_", " "), f"{value}")
     console.print(table)
 
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """Every plugin in the ``pagedkv`` entry-point group, as PAGEDKV_PLUGINS / PAGEDKV_DISABLE_PLUGINS leave it."""
+    from pagedkv.core.plugin_manager import list_plugins
+
+    rows = list_plugins()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        origin = f"{row['distribution'] or '?'} {row['version'] or ''}".strip()
+        kind = "built-in" if row["builtin"] else "third-party"
+        print(f"{row['name']:<16} {origin:<22} {kind:<12} {row['status']:<13} {', '.join(row['hooks']) or '-'}")
+        if row["error"]:
+            print(f"{'':<16} error: {row['error']}")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,11 +18,12 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.kv_cache import KVCacheSpec
+from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import SchedulerOutput
-from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence
+from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from pagedkv.core.stats import RunStats
 
 log = logging.getLogger("pagedkv")
@@ -85,9 +86,8 @@ class Engine:
         self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
         self.scheduler = scheduler_entry.factory(config, self.allocator, self.events, sched_hooks)
-        self._block_full_hook = self.pm.hook.pagedkv_on_block_full if has_impls(
-            self.pm, "pagedkv_on_block_full"
-        ) else None
+        self._block_full_hook = Observers(self.pm, "pagedkv_on_block_full")
+        self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if has_impls(
             self.pm, "pagedkv_fork_after_prefill"
         ) else None
@@ -185,7 +185,10 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        fork = params.n > 1 and bool(self._fork_hook and self._fork_hook(params=params))
+        try:
+            fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
+        except PluginFault as fault:
+            raise RequestRejected(str(fault)) from fault
         seqs = []
         for index in range(1 if fork else params.n):
             seq = self._new_sequence(request_id, token_ids, params, index, text)
@@ -248,12 +251,18 @@ class Engine:
         """Run one engine step. Returns outputs of requests that finished (and, if
         ``stream``, of those that produced a token)."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        touched: list[str] = []
+        if not out.is_empty:
+            touched = self._update(out, self.runner.execute(out))
+        elif not self.scheduler.failed:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress; this is a bug in pagedkv")
             return []
-        logits = self.runner.execute(out)
-        touched = self._update(out, logits)
+        for seq in self.scheduler.failed:  # plugin faults: these requests end with an error
+            if seq.request_id not in touched:
+                touched.append(seq.request_id)
+            self.stats.failed += 1
+        self.scheduler.failed.clear()
         self._observe(out)
         outputs = []
         for request_id in touched:
@@ -277,7 +286,7 @@ class Engine:
             seq.num_computed_tokens += item.num_new_tokens
             prompt_done = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
             self.stats.prefill_tokens_computed += max(0, prompt_done - before)
-            if self._block_full_hook is not None:
+            if self._block_full_hook:
                 self._report_full_blocks(seq, before)
             if item.samples:
                 for s in [seq, *self._fork(seq)]:  # forked samples share the parent's logits row
@@ -358,7 +367,16 @@ class Engine:
         running = self.scheduler.running
         self.stats.observe_memory(self.pool.num_used, self._tokens_held(), self.config.block_size, len(running))
         if self.events.enabled:
-            self.pm.hook.pagedkv_on_step_events(events=self.events.drain())
+            events = self.events.drain()
+            if self._step_observers:
+                self._step_observers(events=events)
+
+    def plugin_stats(self) -> dict[str, Any]:
+        """Every plugin's counters (``pagedkv_report_stats``), merged."""
+        merged: dict[str, Any] = {}
+        for answer in Observers(self.pm, "pagedkv_report_stats")():
+            merged.update(answer)
+        return merged
 
     def _tokens_held(self) -> int:
         """Computed tokens in used blocks, counting a shared block once."""
@@ -378,7 +396,9 @@ class Engine:
             if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
                 seq.output_text = self._decode(seq.output_token_ids)
             completions.append(
-                CompletionOutput(index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
+                CompletionOutput(
+                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
+                )
             )
         first = seqs[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
@@ -394,13 +414,29 @@ class Engine:
             self.sampler.forget(key)
 
     def check_invariants(self) -> None:
-        """Every block is free, owned by exactly its holders, or kept; used by tests."""
+        """Every block is free, owned by exactly its holders, or kept; queues agree with states.
+
+        Used by tests after every operation; cheap enough for debugging runs too.
+        """
         self.pool.check()
+        sched = self.scheduler
+        bs = self.config.block_size
+        queues = [(sched.running, SequenceStatus.RUNNING), (sched.waiting, SequenceStatus.WAITING),
+                  (sched.swapped, SequenceStatus.SWAPPED)]
+        seen: set[int] = set()
         holders: dict[int, int] = {}
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
-            for block_id in seq.block_table:
-                holders[block_id] = holders.get(block_id, 0) + 1
+        for queue, status in queues:
+            for seq in queue:
+                assert seq.seq_id not in seen, f"sequence {seq.request_id} is in two queues"
+                seen.add(seq.seq_id)
+                assert seq.status is status, f"{seq.request_id} is {seq.status} but queued as {status}"
+                assert seq.num_computed_tokens <= seq.num_tokens
+                if status is SequenceStatus.SWAPPED:  # its computed tokens live in the CPU pool
+                    assert not len(seq.block_table), "a swapped sequence holds device blocks"
+                else:
+                    assert len(seq.block_table) * bs >= seq.num_computed_tokens
+                for block_id in seq.block_table:
+                    holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, refs in enumerate(self.pool.ref_counts):
             assert refs == holders.get(block_id, 0), f"block {block_id}: ref {refs}, held {holders.get(block_id)}"
 

@@ -1,12 +1,15 @@
 """One pluggy PluginManager per engine, and the typed registries its registrar hooks fill.
 
 Built-in backends, allocators and schedulers arrive through the same
-``pagedkv`` entry-point group as third-party plugins.
+``pagedkv`` entry-point group as third-party plugins; ``PAGEDKV_PLUGINS`` and
+``PAGEDKV_DISABLE_PLUGINS`` choose which load (see docs/plugins.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +56,39 @@ class Registry:
         return sorted(self.entries)
 
 
+PLUGINS_ENV = "PAGEDKV_PLUGINS"
+DISABLE_ENV = "PAGEDKV_DISABLE_PLUGINS"
+BUILTIN_DISTRIBUTION = "pagedkv"
+
+
+@dataclass
+class PluginSource:
+    """Where an entry-point plugin came from, and what became of it."""
+
+    name: str  # the entry-point name (what PAGEDKV_PLUGINS / PAGEDKV_DISABLE_PLUGINS refer to)
+    value: str  # the entry point's target, e.g. "pagedkv.plugins.prefix_cache"
+    distribution: str | None
+    version: str | None
+    builtin: bool
+    status: str = "loaded"  # loaded, disabled, not selected, failed
+    error: str | None = None
+
+
+def _names_from_env(var: str) -> list[str] | None:
+    """``a, b`` -> ["a", "b"]; unset -> None; set but empty -> []."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
 def make_plugin_manager(extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManager:
-    """A manager with the hook specs, every entry-point plugin, and ``extra_plugins``."""
+    """A manager with the hook specs, every entry-point plugin, and ``extra_plugins``.
+
+    ``PAGEDKV_PLUGINS=a,b`` loads only these third-party plugins (empty: none;
+    built-ins, whose distribution is ``pagedkv``, always load);
+    ``PAGEDKV_DISABLE_PLUGINS=x,y`` blocks plugins, built-in or not, by entry-point name.
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     _load_entry_points(pm)
@@ -63,19 +97,117 @@ def make_plugin_manager(extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManag
     return pm
 
 
+def plugin_sources(pm: pluggy.PluginManager) -> dict[str, PluginSource]:
+    """Entry-point name -> :class:`PluginSource`, for every entry point ``pm`` saw."""
+    return getattr(pm, "_pagedkv_sources", {})
+
+
+def _distribution(ep: Any) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.name, dist.version
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    """Like ``pm.load_setuptools_entrypoints``, but a broken plugin is reported, not fatal."""
+    """Like ``pm.load_setuptools_entrypoints``, with the env controls; a broken plugin is reported, not fatal
+    (unless it was asked for by name in ``PAGEDKV_PLUGINS``)."""
     from importlib.metadata import entry_points
 
+    wanted = _names_from_env(PLUGINS_ENV)
+    disabled = set(_names_from_env(DISABLE_ENV) or ())
+    sources: dict[str, PluginSource] = {}
+    pm._pagedkv_sources = sources  # type: ignore[attr-defined]
+    for name in disabled:
+        pm.set_blocked(name)
     for ep in entry_points(group=hookspecs.PROJECT):
-        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+        dist_name, version = _distribution(ep)
+        if ep.name in sources or pm.has_plugin(ep.name):  # the same name twice: the first on the path wins
+            first = sources.get(ep.name)
+            if first is not None and (first.distribution, first.value) != (dist_name, ep.value):
+                log.warning("pagedkv plugin name %r is taken by %s (%s); the one from %s (%s) is ignored",
+                            ep.name, first.distribution, first.value, dist_name, ep.value)
+            continue
+        builtin = dist_name is not None and _normalize(dist_name) == BUILTIN_DISTRIBUTION
+        source = sources[ep.name] = PluginSource(ep.name, ep.value, dist_name, version, builtin)
+        requested = wanted is not None and ep.name in wanted
+        if pm.is_blocked(ep.name):
+            source.status = "disabled"
+            if requested:
+                log.warning("pagedkv plugin %r is both requested (%s) and disabled (%s); it stays disabled",
+                            ep.name, PLUGINS_ENV, DISABLE_ENV)
+            continue
+        if wanted is not None and not builtin and not requested:
+            source.status = "not selected"
             continue
         try:
             plugin = ep.load()
         except Exception as exc:  # noqa: BLE001 - a third-party import can fail in any way
-            log.warning("pagedkv plugin %r (%s) failed to import and is skipped: %s", ep.name, ep.value, exc)
+            source.status, source.error = "failed", f"{type(exc).__name__}: {exc}"
+            if requested:
+                raise ConfigError(
+                    f"pagedkv plugin {ep.name!r} (entry point {ep.value!r} from {dist_name or 'an unknown package'}) "
+                    f"was requested in {PLUGINS_ENV} but failed to import: {source.error}"
+                ) from exc
+            log.warning("pagedkv plugin %r (entry point %r from %s) failed to import and is skipped: %s",
+                        ep.name, ep.value, dist_name or "an unknown package", source.error)
             continue
         pm.register(plugin, name=ep.name)
+    missing = [name for name in wanted or () if name not in sources]
+    if missing:
+        known = ", ".join(sorted(sources)) or "none"
+        raise ConfigError(
+            f"{PLUGINS_ENV} asks for {', '.join(map(repr, missing))}, but no such plugin is installed "
+            f"in the {hookspecs.PROJECT!r} entry-point group; installed: {known}"
+        )
+
+
+def list_plugins(pm: pluggy.PluginManager | None = None) -> list[dict[str, Any]]:
+    """Every plugin ``pm`` knows (a fresh manager if None), as plain dicts, entry points first.
+
+    Keys: ``name``, ``module`` (the entry point's target, or the object's type), ``distribution``,
+    ``version``, ``builtin``, ``status`` (loaded, disabled, not selected, failed, registered),
+    ``error`` and ``hooks`` (the names of the hooks it implements, sorted).
+    """
+    pm = pm if pm is not None else make_plugin_manager()
+    rows = []
+    sources = plugin_sources(pm)
+    for name, source in sources.items():
+        plugin = pm.get_plugin(name)
+        rows.append({
+            "name": name,
+            "module": source.value,
+            "distribution": source.distribution,
+            "version": source.version,
+            "builtin": source.builtin,
+            "status": source.status,
+            "error": source.error,
+            "hooks": _hook_names(pm, plugin),
+        })
+    for name, plugin in pm.list_name_plugin():
+        if name in sources or plugin is None:
+            continue
+        rows.append({  # registered directly: extra_plugins, or a per-engine object from pagedkv_configure
+            "name": name,
+            "module": f"{type(plugin).__module__}.{type(plugin).__qualname__}",
+            "distribution": None,
+            "version": None,
+            "builtin": False,
+            "status": "registered",
+            "error": None,
+            "hooks": _hook_names(pm, plugin),
+        })
+    return rows
+
+
+def _hook_names(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
+    if plugin is None:
+        return []
+    return sorted(caller.name for caller in pm.get_hookcallers(plugin) or ())
 
 
 def build_registry(pm: pluggy.PluginManager, kind: str, hook_name: str) -> Registry:

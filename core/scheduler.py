@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.events import EventLog
+from pagedkv.core.plugin_guard import PluginFault, call_decision
 from pagedkv.core.sequence import Sequence, SequenceStatus
 
 
@@ -70,6 +71,7 @@ class FCFSScheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemptions: list[PreemptionRecord] = []
+        self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
         self.step_index = 0
 
     # --- queue management ---------------------------------------------------------------------
@@ -111,7 +113,9 @@ class FCFSScheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
-            while not self.allocator.allocate_slots(seq, num_new):
+            while not self._allocate(seq, num_new):
+                if seq.is_finished:  # a plugin fault failed it
+                    break
                 victim = self.running.pop()  # the newest running sequence
                 self._preempt(victim, out)
                 if victim is seq:
@@ -121,6 +125,8 @@ class FCFSScheduler:
                 budget -= num_new
                 i += 1
                 continue
+            if seq.is_finished:
+                continue  # it left the running list; the next one moved up to index i
             break  # the sequence preempted itself: nothing newer is left to run
 
         if not out.preempted:
@@ -132,6 +138,20 @@ class FCFSScheduler:
         for item in out.scheduled:
             self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
         return out
+
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
+        """``allocator.allocate_slots``, failing just this sequence if a plugin breaks."""
+        try:
+            return self.allocator.allocate_slots(seq, num_new)
+        except PluginFault as fault:
+            self.fail(seq, fault)
+            return False
+
+    def fail(self, seq: Sequence, fault: Exception) -> None:
+        """End one sequence with an error; every other request goes on."""
+        seq.error = str(fault)
+        self.finish(seq, "error")
+        self.failed.append(seq)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped sequences back, oldest first, while their blocks fit."""
@@ -154,7 +174,11 @@ class FCFSScheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.allocator.match_prefix(seq)
+            try:
+                self.allocator.match_prefix(seq)
+            except PluginFault as fault:
+                self.fail(seq, fault)
+                continue
             num_new = min(seq.num_uncomputed, budget)
             if not self.allocator.allocate_slots(seq, num_new):
                 if seq.num_computed_tokens:  # give back a prefix match it cannot use yet
@@ -169,7 +193,13 @@ class FCFSScheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
-        choice = self.hooks.pagedkv_choose_preemption(seq=seq, scheduler=self) if self.hooks else None
+        choice = None
+        try:
+            if self.hooks is not None:
+                choice = call_decision(self.hooks.pagedkv_choose_preemption, seq=seq, scheduler=self)
+        except PluginFault as fault:
+            self.fail(seq, fault)  # frees its blocks just as a preemption would
+            return
         if choice == "swap" and self.swapper is not None:
             pairs = self.swapper.swap_out(seq)
             if pairs is not None:

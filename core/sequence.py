@@ -47,6 +47,7 @@ class Sequence:
     output_text: str = ""
     pending_forks: int = 0  # samples still to fork from this sequence after its prefill (n > 1)
     cache_salt: str | None = None  # keeps prefix-cache entries of different tenants apart
+    error: str | None = None  # why the request failed (finish reason "error")
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
 
     @property
@@ -73,6 +74,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
+    error: str | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ class RunStats:
     requests: int = 0
     finished: int = 0
     rejected: int = 0
+    failed: int = 0  # ended by a plugin fault
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
