@@ -71,7 +71,11 @@ def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Names
     run_args = copy.copy(args)
     run_args.monitor = False
     tmpdir = None
-    if not getattr(args, "telemetry", None):
+    if getattr(args, "telemetry", None):
+        from pagedkv.plugins.telemetry_address import parse_address
+
+        parse_address(args.telemetry, allow_port_zero=False)  # the dashboard must know where to connect
+    else:
         tmpdir = tempfile.mkdtemp(prefix="pagedkv-monitor-")
         run_args.telemetry = f"unix:{os.path.join(tmpdir, 'telemetry.sock')}"
     result: dict = {}
