@@ -69,8 +69,11 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     print(f"pagedkv: converting {gguf_path.name} to safetensors in {target} (once, ~15 s)...", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"cannot read {gguf_path} as a GGUF model: {type(exc).__name__}: {exc}") from exc
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
@@ -93,6 +96,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: str) -> tuple[Any,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_dir(model)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
+        raise ConfigError(f"cannot load a causal LM from {path}: {type(exc).__name__}: {exc}") from exc
     return hf_model, tokenizer, path

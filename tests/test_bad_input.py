@@ -103,3 +103,32 @@ def test_abort_frees_the_request_blocks_mid_decode(tiny_llama):
         engine.step()
     assert engine.pool.num_free == engine.num_blocks
     assert b not in engine._groups
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="neither a local model directory"):
+        Engine(EngineConfig(device="cpu", model=str(tmp_path / "nope")))
+
+
+def test_a_model_that_is_not_a_causal_lm_is_a_clear_error(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=32).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="cannot load a causal LM"):
+        Engine(EngineConfig(device="cpu", model=str(tmp_path)))
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path, tiny_llama):
+    tiny_llama.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ConfigError, match="cannot load a causal LM"):
+        Engine(EngineConfig(device="cpu", model=str(tmp_path)))
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ConfigError, match="cannot read .*broken.gguf as a GGUF model"):
+        Engine(EngineConfig(device="cpu", model=str(bad)))
