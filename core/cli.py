@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_monitor_arguments(monitor)
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model")
+    from pagedkv.core.simulate import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(simulate)
     return parser
 
 
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command == "simulate":
+            return cmd_simulate(args)
         if args.command == "monitor":
             from pagedkv.monitor.main import run as run_monitor
 
@@ -210,6 +216,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if row["error"]:
             print(f"{'':<16} error: {row['error']}")
     return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pagedkv.core.simulate import run_cli
+
+    return run_cli(args)
+
 
 if __name__ == "__main__":
     sys.exit(main())
