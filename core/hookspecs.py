@@ -1,7 +1,9 @@
 """The pluggy hook specifications: the contract between the core and plugins.
 
 Registrar hooks run once at engine start-up and fill typed registries; the hot
-path then calls plain methods on the chosen objects. Decision hooks
+path then calls plain methods on the chosen objects. Which decision and observer
+hooks an engine calls is decided when it is built, so register plugins before
+(``Engine(plugins=...)``, entry points, or ``pagedkv_configure``), not after. Decision hooks
 (``firstresult=True``) pick one answer; observer hooks are broadcast, batched
 per step. No hook is called per layer or per token.
 """
@@ -32,12 +34,14 @@ def pagedkv_register_backends(register: Any) -> None:
 
 @hookspec
 def pagedkv_register_allocators(register: Any) -> None:
-    """Register block allocators: ``register(name, factory, description)``; ``factory(pool, config)``."""
+    """Register block allocators: ``register(name, factory, description)``;
+    ``factory(pool, block_size, hooks)`` where ``hooks`` is ``pm.hook`` or None."""
 
 
 @hookspec
 def pagedkv_register_schedulers(register: Any) -> None:
-    """Register schedulers: ``register(name, factory, description)``; ``factory(config, allocator, pm)``."""
+    """Register schedulers: ``register(name, factory, description)``;
+    ``factory(config, allocator, events, hooks)`` where ``hooks`` is ``pm.hook`` or None."""
 
 
 # --- lifecycle -----------------------------------------------------------------------------------
