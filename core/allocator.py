@@ -47,8 +47,15 @@ class PagedAllocator:
         If the first block to be written is shared (ref count > 1, after a fork),
         a copy-on-write plugin gives the sequence its own copy first.
         """
+        new_blocks = self.num_new_blocks(seq, num_new_tokens)
+        if self.hooks is None:  # nothing can be shared without plugins: no copy-on-write to check
+            if new_blocks > self.pool.num_available:
+                return False
+            for _ in range(new_blocks):
+                seq.block_table.append(self.pool.allocate(seq.request_id))
+            return True
         shared = self._shared_write_block(seq)
-        needed = self.num_new_blocks(seq, num_new_tokens) + (shared is not None)
+        needed = new_blocks + (shared is not None)
         if needed > self.pool.num_available:
             return False
         if shared is not None:
@@ -57,7 +64,7 @@ class PagedAllocator:
             )
             if not done:
                 raise RuntimeError("a shared KV block is about to be written and no copy-on-write plugin handled it")
-        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
+        for _ in range(new_blocks):
             seq.block_table.append(self.pool.allocate(seq.request_id))
         return True
 

@@ -20,7 +20,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, not its contents: queue removal compares identity
 class Sequence:
     """One stream of tokens with its own block table.
 

@@ -34,11 +34,13 @@ class CpuSwap:
         if num_cpu_blocks < 1:
             return  # no room for even one block: every preemption recomputes
         self.cpu_pool = BlockPool(num_cpu_blocks)
+        engine.scheduler.swapper = self
+        if not engine.runner.kv_caches:  # a simulated run moves no bytes: book-keeping only
+            return
         caches = allocate_kv_caches(engine.spec, num_cpu_blocks, "cpu")
         if engine.config.device.startswith("cuda"):
             caches = [(k.pin_memory(), v.pin_memory()) for k, v in caches]
         engine.runner.cpu_kv_caches = caches
-        engine.scheduler.swapper = self
 
     @hookimpl
     def pagedkv_choose_preemption(self, seq: Any, scheduler: Any) -> str:
