@@ -6,7 +6,8 @@ scheduler's decisions and the kernels. Index tensors live on the model's device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class AttentionMetadata:
     # Host copies, so a Python-level backend never syncs a device to read lengths.
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()
+    # Per-step scratch a backend may fill once and reuse in every layer (e.g. a mask).
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

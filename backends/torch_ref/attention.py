@@ -29,20 +29,40 @@ def write_kv(
 
 
 def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, min_len: int = 0
 ) -> torch.Tensor:
     """Lay out each sequence's cached rows contiguously: ``[S, max_len, Hkv, D]``.
 
     Rows past a sequence's length are zeroed, so garbage (even NaN) in unused
-    slots cannot reach the output through ``0 * NaN``.
+    slots cannot reach the output through ``0 * NaN``. Rows before ``min_len``
+    (the shortest sequence) are valid everywhere, so only the tail is scanned.
     """
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
     blocks_needed = -(-max_len // block_size)
     rows = cache[block_tables[:, :blocks_needed].long()]  # [S, nb, bs, Hkv, D]
     rows = rows.reshape(num_seqs, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
-    invalid = torch.arange(max_len, device=cache.device)[None, :] >= seq_lens[:, None]
-    return rows.masked_fill_(invalid[:, :, None, None], 0)  # rows is a fresh copy: fill in place
+    invalid = torch.arange(min_len, max_len, device=cache.device)[None, :] >= seq_lens[:, None]
+    rows[:, min_len:].masked_fill_(invalid[:, :, None, None], 0)  # rows is a fresh copy: fill in place
+    return rows
+
+
+def step_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """``[S, 1, Q, K]`` boolean mask: causal (bottom-right aligned) and within each sequence's length.
+
+    The same for every layer, so it is built once per step and kept on the metadata.
+    """
+    cached = meta.backend_cache.get("torch_ref.mask")
+    if cached is not None:
+        return cached
+    q_pos = meta.context_lens.long()[:, None] + torch.arange(meta.max_query_len, device=device)[None, :]  # [S, Q]
+    k_pos = torch.arange(meta.max_seq_len, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, K]
+    mask &= k_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
+    # Padded query rows would have an all-false mask (NaN softmax); give them key 0.
+    mask[:, :, 0] = True
+    meta.backend_cache["torch_ref.mask"] = mask = mask[:, None]
+    return mask
 
 
 def paged_attention(
@@ -64,8 +84,9 @@ def paged_attention(
     out_dtype = query.dtype
     compute_dtype = torch.float32 if query.device.type == "cpu" and query.dtype != torch.float32 else query.dtype
 
-    keys = gather_kv(k_cache, meta.block_tables, meta.seq_lens, max_kv).to(compute_dtype)
-    values = gather_kv(v_cache, meta.block_tables, meta.seq_lens, max_kv).to(compute_dtype)
+    min_kv = min(meta.seq_lens_cpu) if meta.seq_lens_cpu else 0
+    keys = gather_kv(k_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv).to(compute_dtype)
+    values = gather_kv(v_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv).to(compute_dtype)
 
     if max_q == 1:
         q = query.reshape(num_seqs, 1, num_heads, head_dim)
@@ -73,19 +94,11 @@ def paged_attention(
         q = _pad_queries(query, meta, max_q)
     q = q.to(compute_dtype)
 
-    context_lens = meta.context_lens.long()
-    q_pos = context_lens[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [S, Q]
-    k_pos = torch.arange(max_kv, device=query.device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, bottom-right aligned [S, Q, K]
-    mask &= k_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
-    # Padded query rows would have an all-false mask (NaN softmax); give them key 0.
-    mask[:, :, 0] = True
-
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask[:, None],
+        attn_mask=step_mask(meta, query.device),
         scale=scale,
         enable_gqa=num_heads != keys.shape[2],
     ).transpose(1, 2)  # [S, Q, H, D]
