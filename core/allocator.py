@@ -47,6 +47,9 @@ class PagedAllocator:
         If the first block to be written is shared (ref count > 1, after a fork),
         a copy-on-write plugin gives the sequence its own copy first.
         """
+        fits = seq.num_computed_tokens + num_new_tokens <= len(seq.block_table.blocks) * self.block_size
+        if fits and self.hooks is None:
+            return True  # the common decode step: the tokens fit in blocks the sequence already has
         new_blocks = self.num_new_blocks(seq, num_new_tokens)
         if self.hooks is None:  # nothing can be shared without plugins: no copy-on-write to check
             if new_blocks > self.pool.num_available:

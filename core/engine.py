@@ -280,17 +280,23 @@ class Engine:
         sampling: list[Sequence] = []
         rows: list[int] = []  # logits row of each sampling sequence
         row = 0
+        report_full = bool(self._block_full_hook)  # once per step: this loop is the simulator's hot path
         for item in out.scheduled:
             seq = item.seq
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            prompt_done = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
-            self.stats.prefill_tokens_computed += max(0, prompt_done - before)
-            if self._block_full_hook:
+            seq.num_computed_tokens = after = before + item.num_new_tokens
+            prompt_len = len(seq.prompt_token_ids)
+            if before < prompt_len:
+                self.stats.prefill_tokens_computed += min(after, prompt_len) - before
+            if report_full:
                 self._report_full_blocks(seq, before)
-            if item.samples:
-                for s in [seq, *self._fork(seq)]:  # forked samples share the parent's logits row
-                    sampling.append(s)
+            if after == prompt_len + len(seq.output_token_ids):  # the step computed its last token: sample
+                if seq.pending_forks:
+                    for child in [seq, *self._fork(seq)]:  # forked samples share the parent's logits row
+                        sampling.append(child)
+                        rows.append(row)
+                else:
+                    sampling.append(seq)
                     rows.append(row)
                 row += 1
         if not sampling:

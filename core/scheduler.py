@@ -135,8 +135,9 @@ class FCFSScheduler:
                 self._admit_waiting(out, budget)
         out.block_copies.extend(self.allocator.pending_copies)
         self.allocator.pending_copies.clear()
-        for item in out.scheduled:
-            self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
+        if self.events.enabled:
+            for item in out.scheduled:
+                self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
         return out
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
