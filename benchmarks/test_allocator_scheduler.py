@@ -153,7 +153,7 @@ def decoding_engine(n: int):
     """A simulated engine with ``n`` sequences past their prefill, each decoding one token per step."""
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.simulate import DEFAULT_MODEL
+    from pagedkv.core.simulate import SimSetup
     from pagedkv.core.simulated_runner import SimulatedRunner
 
     class Recording(SimulatedRunner):
@@ -167,7 +167,7 @@ def decoding_engine(n: int):
     engine = Engine(
         EngineConfig(num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=n * PROMPT, block_size=16,
                      max_model_len=PROMPT + 1000),
-        simulate=SimpleNamespace(**DEFAULT_MODEL),
+        simulate=SimSetup().model_config,  # SmolLM2-135M's shape, the simulator's default
     )
     engine.runner = Recording()
     for i in range(n):
