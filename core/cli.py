@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model")
-    from pagedkv.core.simulate import add_arguments as add_simulate_arguments
+    from pagedkv.core.simulate_cli import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
     return parser
@@ -219,7 +219,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pagedkv.core.simulate import run_cli
+    from pagedkv.core.simulate_cli import run_cli
 
     return run_cli(args)
 

@@ -11,17 +11,9 @@ from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
 from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.simulate import (
-    SimSetup,
-    SimulationError,
-    estimate_params,
-    gpu_kv_budget,
-    load_model_config,
-    parse_sweep,
-    run_once,
-    simulate,
-)
+from pagedkv.core.simulate import SimSetup, parse_sweep, run_once, simulate
 from pagedkv.core.step_time_model import StepTimeModel, calibrate_from_trace
 from pagedkv.core.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
 

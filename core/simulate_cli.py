@@ -1,0 +1,102 @@
+"""The ``engine simulate`` command line: arguments, setup from them, and the run."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedkv.core.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
+from pagedkv.core.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
+from pagedkv.core.simulate_report import format_report, jsonable, plot_blocks
+
+# --- the command line (``engine simulate``; core/cli.py adds the subparser and dispatches here) -------------------
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--workload", default="sharegpt",
+                   help="sharegpt, alpaca, shared-prefix, a requests .jsonl, or a trace from `engine run --trace`")
+    p.add_argument("--num-requests", type=int, default=1000, help="for a built-in workload (default 1000)")
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-config", default=None, help="HF config.json (or its dir) for the KV shape; "
+                   "default: SmolLM2-135M's shape")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 40GiB)")
+    budget.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks")
+    budget.add_argument("--gpu-memory", default=None,
+                        help="plan for a GPU of this size (e.g. 80GiB): KV = size x utilization - weights")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --gpu-memory (default 0.9)")
+    p.add_argument("--num-params", type=float, default=None, help="with --gpu-memory: override the params estimate")
+    p.add_argument("--dtype", default="bfloat16", help="KV and weight dtype size: bfloat16/float16 (2), float32 (4)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--swap-space", default=None, help="CPU swap space, e.g. 4GiB (its pool is allocated on CPU)")
+    p.add_argument("--step-time", default=None, metavar="K=V,...",
+                   help="fixed_ms, prefill_us_per_token, decode_us_per_seq, context_ns_per_token")
+    p.add_argument("--calibrate", default=None, metavar="TRACE", help="fit the step-time model to a recorded trace")
+    p.add_argument("--no-static", action="store_true", help="skip the static max-length allocator's run")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help=f"a table over one setting ({', '.join(SWEEP_KEYS)}); repeatable")
+    p.add_argument("--plot", default=None, metavar="PNG", help="blocks in use over time, paged vs static")
+    p.add_argument("--trace", default=None, metavar="FILE", help="record the paged run for `engine monitor --replay`")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+
+
+def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
+    from pagedkv.core.config import parse_bytes
+
+    cfg = load_model_config(args.model_config)
+    if args.num_params:
+        cfg._sim_num_params = int(args.num_params)
+    setup = SimSetup(
+        model_config=cfg, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, dtype=args.dtype,
+        enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space, trace=args.trace,
+    )
+    dtype_bytes(args.dtype)
+    if args.gpu_memory is not None:
+        b = gpu_kv_budget(cfg, parse_bytes(args.gpu_memory), args.gpu_memory_utilization, args.dtype, args.num_params)
+        setup.kv_cache_memory = b["kv_bytes"]
+        text = (f"{format_gib(b['kv_bytes'])} = {format_gib(b['gpu_memory'])} x {b['utilization']} - weights "
+                f"{format_gib(b['weight_bytes'])} (~{b['params'] / 1e6:.0f}M params x {dtype_bytes(args.dtype)} B); "
+                "activations not subtracted")
+        budget = {**b, "text": text}
+    elif args.num_blocks is not None:
+        setup.num_blocks = args.num_blocks
+        budget = {"num_blocks": args.num_blocks, "text": f"{args.num_blocks} blocks (--num-blocks)"}
+    else:
+        memory = args.kv_cache_memory or "1GiB"
+        setup.kv_cache_memory = parse_bytes(memory)
+        budget = {"kv_bytes": setup.kv_cache_memory,
+                  "text": f"{memory} (--kv-cache-memory" + ("" if args.kv_cache_memory else ", the default") + ")"}
+    return setup, budget
+
+
+def run_cli(args: Any) -> int:
+    from pagedkv.core.step_time_model import calibrate_from_trace
+    from pagedkv.core.workload import load_workload
+
+    setup, budget = setup_from_args(args)
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    step_time = calibrate_from_trace(args.calibrate) if args.calibrate else default_step_time(setup)
+    if args.step_time:
+        step_time = step_time.with_overrides(args.step_time)
+    workload = load_workload(
+        args.workload, num_requests=args.num_requests, seed=args.seed, request_rate=args.request_rate
+    )
+    report = simulate(workload, setup, step_time, compare_static=not args.no_static, sweeps=sweeps)
+    report["budget"] = budget
+    if args.plot:
+        report["plot"] = plot_blocks(args.plot, report)
+    if args.trace:
+        report["trace"] = args.trace
+    if args.json:
+        print(json.dumps(jsonable(report), indent=2))
+    else:
+        print(format_report(report))
+        if args.trace:
+            print(f"trace: {args.trace} (engine monitor --replay {args.trace})")
+    return 0
