@@ -65,15 +65,15 @@ class AttentionMetadata:
             raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         max_blocks = max((len(t) for t in block_tables), default=0) or 1
-        table = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        flat_table: list[int] = []  # one Python list, one tensor: much cheaper than a tensor per sequence
         slots: list[int] = []
         for i, (blocks, ctx, q) in enumerate(zip(block_tables, context_lens, query_lens)):
             if len(blocks) * block_size < ctx + q:
                 raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold {ctx + q} tokens")
-            if blocks:
-                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            for pos in range(ctx, ctx + q):
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            flat_table.extend(blocks)
+            flat_table.extend([0] * (max_blocks - len(blocks)))
+            slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in range(ctx, ctx + q))
+        table = torch.tensor(flat_table, dtype=torch.int32).view(len(block_tables), max_blocks)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)

@@ -52,8 +52,7 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         for item in out.scheduled:
-            tokens = item.seq.token_ids[item.context_len : item.context_len + item.num_new_tokens]
-            input_ids.extend(tokens)
+            input_ids.extend(item.seq.token_slice(item.context_len, item.context_len + item.num_new_tokens))
             positions.extend(range(item.context_len, item.context_len + item.num_new_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)

@@ -54,6 +54,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without copying the whole history (a decode asks for one token)."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
