@@ -28,6 +28,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
+	$(PIP) install -q -e ".[bench]"
 	$(PY) -m pytest benchmarks --benchmark-only -q -s
 
 clean:

@@ -371,7 +371,11 @@ class Engine:
         self.stats.preemptions += len(out.preempted)
         self.stats.tokens_recomputed = sum(r.tokens_discarded for r in self.scheduler.preemptions)
         running = self.scheduler.running
-        self.stats.observe_memory(self.pool.num_used, self._tokens_held(), self.config.block_size, len(running))
+        used = self.pool.num_used
+        if used >= self.stats.peak_blocks_used:  # waste is recorded at the peak only: skip the count otherwise
+            self.stats.observe_memory(used, self._tokens_held(), self.config.block_size, len(running))
+        else:
+            self.stats.peak_running = max(self.stats.peak_running, len(running))
         if self.events.enabled:
             events = self.events.drain()
             if self._step_observers:
