@@ -20,6 +20,8 @@ from pagedkv.core.events import EventLog
 from pagedkv.core.plugin_guard import PluginFault, call_decision
 from pagedkv.core.sequence import Sequence, SequenceStatus
 
+WATERMARK = 0.01  # share of the pool kept free when admitting new requests
+
 
 @dataclass
 class ScheduledSeq:
@@ -67,6 +69,7 @@ class FCFSScheduler:
         self.events = events or EventLog()
         self.hooks = hooks
         self.swapper: Any = None  # attached by a swap plugin: swap_out(seq), swap_in(seq), free(seq)
+        self.watermark_blocks = int(WATERMARK * allocator.pool.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -181,7 +184,11 @@ class FCFSScheduler:
                 self.fail(seq, fault)
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if not self.allocator.allocate_slots(seq, num_new):
+            # Keep a few blocks free for the running sequences to grow into (vLLM's watermark): admitting
+            # into the last free blocks only buys a preemption a few steps later.
+            headroom = self.allocator.pool.num_available - self.allocator.num_new_blocks(seq, num_new)
+            crowded = self.running and headroom < self.watermark_blocks
+            if crowded or not self.allocator.allocate_slots(seq, num_new):
                 if seq.num_computed_tokens:  # give back a prefix match it cannot use yet
                     self.allocator.free(seq)
                     seq.num_computed_tokens = 0

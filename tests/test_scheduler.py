@@ -85,3 +85,21 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself_and_nothing_is_schedul
     out = run_step(sched)
     assert out.preempted == [a] and not out.scheduled
     assert pool.num_free == 2
+
+
+def test_admission_keeps_a_watermark_of_free_blocks_for_running_sequences():
+    sched, pool = make(num_blocks=200, block_size=4, budget=1000)  # watermark: 1% = 2 blocks
+    assert sched.watermark_blocks == 2
+    add(sched, "a", 4 * 190)  # 190 blocks
+    run_step(sched)
+    add(sched, "b", 4 * 9)  # would leave 1 free block: below the watermark, so it waits
+    out = run_step(sched)
+    assert [i.seq.request_id for i in out.scheduled] == ["a"]
+    assert [s.request_id for s in sched.waiting] == ["b"]
+
+
+def test_a_request_needing_the_whole_pool_is_still_admitted_when_nothing_runs():
+    sched, pool = make(num_blocks=200, block_size=4, budget=1000)
+    add(sched, "a", 4 * 200)
+    out = run_step(sched)
+    assert [i.seq.request_id for i in out.scheduled] == ["a"] and pool.num_free == 0
