@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
     run.add_argument("--device", default="auto", help="cpu, cuda or auto")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
     run.add_argument("--max-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0)
@@ -91,6 +93,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from pagedkv.monitor.main import run_with_monitor
 
         return run_with_monitor(args, cmd_run)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     config = EngineConfig(
         model=args.model,
         backend=args.backend,
