@@ -191,9 +191,7 @@ class Engine:
             raise RequestRejected(str(fault)) from fault
         seqs = []
         for index in range(1 if fork else params.n):
-            seq = self._new_sequence(request_id, token_ids, params, index, text)
-            seq.cache_salt = cache_salt
-            seqs.append(seq)
+            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt))
         if fork:
             seqs[0].pending_forks = params.n - 1
         self._groups[request_id] = seqs
@@ -205,12 +203,20 @@ class Engine:
         return request_id
 
     def _new_sequence(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, index: int, text: str | None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        text: str | None,
+        cache_salt: str | None,
     ) -> Sequence:
         """Sample ``index`` of a request; with a seed, sample i uses seed + i."""
         if params.n > 1 and params.seed is not None:
             params = replace(params, seed=params.seed + index)
-        seq = Sequence(request_id, list(token_ids), params, max_len=self.max_model_len, prompt=text)
+        seq = Sequence(
+            request_id, list(token_ids), params, max_len=self.max_model_len, prompt=text, cache_salt=cache_salt
+        )
         self._seq_keys[seq.seq_id] = next(self._ids)
         return seq
 
@@ -322,8 +328,9 @@ class Engine:
         children = []
         for _ in range(parent.pending_forks):
             # parent.params carries seed + 0, so sample i gets seed + i as in an unforked request
-            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params, len(group), None)
-            child.prompt = parent.prompt
+            child = self._new_sequence(
+                parent.request_id, parent.prompt_token_ids, parent.params, len(group), parent.prompt, parent.cache_salt
+            )
             self.allocator.fork(parent, child)
             self.scheduler.add_running(child)
             group.append(child)
