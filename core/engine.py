@@ -376,7 +376,7 @@ class Engine:
     def _observe(self, out: SchedulerOutput) -> None:
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
-        self.stats.tokens_recomputed = sum(r.tokens_discarded for r in self.scheduler.preemptions)
+        self.stats.tokens_recomputed = self.scheduler.tokens_discarded
         running = self.scheduler.running
         used = self.pool.num_used
         if used >= self.stats.peak_blocks_used:  # waste is recorded at the peak only: skip the count otherwise

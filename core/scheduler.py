@@ -74,6 +74,7 @@ class FCFSScheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemptions: list[PreemptionRecord] = []
+        self.tokens_discarded = 0  # by preemptions by recompute, over the whole run
         self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
         self.step_index = 0
 
@@ -226,4 +227,5 @@ class FCFSScheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.preemptions.append(PreemptionRecord(seq.request_id, self.step_index, discarded))
+        self.tokens_discarded += discarded
         self.events.emit("request_preempt", request=seq.request_id, tokens_discarded=discarded)
