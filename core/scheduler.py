@@ -163,7 +163,7 @@ class FCFSScheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed, budget)
-            blocks = -(-(seq.num_computed_tokens + num_new) // self.allocator.block_size)
+            blocks = self.allocator.blocks_to_reserve(seq, seq.num_computed_tokens + num_new)  # static: max_len
             if blocks > self.allocator.pool.num_available:
                 break
             self.swapped.popleft()

@@ -164,3 +164,13 @@ def test_preempt_resume_ping_pong_between_two_requests_terminates():
     assert set(results) == {a, b}
     assert engine.stats.preemptions >= 1
     all_blocks_back(engine)
+
+
+def test_static_allocator_reserves_up_front_so_it_never_preempts_even_with_swap_space():
+    engine = Engine(EngineConfig(device="cpu", num_blocks=12, block_size=4, max_model_len=16, allocator="static",
+                                 swap_space="1MiB"), simulate=SIM_MODEL)
+    ids = [engine.add_request([3 + i] * 6, SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(5)]
+    results, _ = drain(engine)
+    assert set(results) == set(ids)
+    assert engine.stats.preemptions == 0 and engine.stats.peak_running == 3  # 12 blocks / 4 per request
+    all_blocks_back(engine)
