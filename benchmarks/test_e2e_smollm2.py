@@ -6,13 +6,16 @@ fixed seed, greedy, EOS ignored. Throughput = useful generated tokens / wall tim
 Ratios are taken against the baselines measured earlier in the same session.
 
 Run: ``python -m pytest benchmarks/test_e2e_smollm2.py --benchmark-only -s``
-(``-k "not profile"`` skips the profile; ``-k sweep`` runs only the concurrency sweep).
+(``-k "not profile"`` skips the profile; ``-k sweep`` runs only the concurrency sweep: 1, 8, 32 and
+128 requests through all three systems, then writes ``plots/tokens_per_s_vs_concurrency.png``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +24,6 @@ import torch
 from conftest import ContentionMonitor, Row, machine_info
 
 GENERATE_BATCH_SIZES = (8, 32)
-SWEEP_SIZES = (1, 8)  # 32 is the main workload
 
 # outputs of the main run of every system, for the agreement check
 _OUTPUTS: dict[str, list[list[int]]] = {}
@@ -252,23 +254,121 @@ def test_e2e_pagedkv(benchmark, e2e_report, warm, paged_model, hf_model, tokeniz
 
 
 # --- concurrency sweep: where continuous batching pays --------------------------------------------------
+#
+# n = 1, 8, 32, 128 requests, all three systems, in one session. The requests are the first n of a
+# 128-request workload built by the same function with the same seed (``build_workload(tok, 128)``: the
+# 40 chat texts cycled in the seeded order, 128 lengths drawn from 8..128); its first 32 requests are
+# exactly the main workload. ``generate`` runs static batches of at most SWEEP_STATIC_CAP requests in
+# arrival order (n <= 32: one padded batch of n; n = 128: four batches of 32, the main comparison's best
+# batch size), plus, at n = 128 only, one padded batch of all 128 for reference. The summary (ratios and
+# ``plots/tokens_per_s_vs_concurrency.png``) is written when the module's tests end.
+
+SWEEP_SIZES = (1, 8, 32, 128)
+SWEEP_STATIC_CAP = 32
+SWEEP_SYSTEMS = ("generate", "generate_batch", "pagedkv")
+_SWEEP_CASES = [(n, s) for n in SWEEP_SIZES for s in SWEEP_SYSTEMS] + [(128, "generate_one_batch")]
+_SWEEP_LABELS = {
+    "generate": f"hf generate (static batches of <= {SWEEP_STATIC_CAP})",
+    "generate_one_batch": "hf generate (one static batch of n)",
+    "generate_batch": "hf generate_batch (paged CB)",
+    "pagedkv": "pagedkv (torch backend, bs16)",
+}
+PLOT_PATH = Path(__file__).parent / "plots" / "tokens_per_s_vs_concurrency.png"
 
 
-@pytest.mark.parametrize("n", SWEEP_SIZES)
-@pytest.mark.parametrize("system", ["generate", "pagedkv"])
-def test_sweep(benchmark, e2e_report, warm, hf_model, paged_model, tokenizer, workload, pad_id, system, n):
-    sub = workload.take(n)
-    if system == "generate":
+@pytest.fixture(scope="module")
+def sweep_workload(tokenizer: Any, workload: Any) -> Any:
+    from workload import build_workload
+
+    big = build_workload(tokenizer, num_requests=max(SWEEP_SIZES))
+    main = big.take(len(workload))
+    assert main.prompt_ids == workload.prompt_ids and main.max_tokens == workload.max_tokens
+    return big
+
+
+@pytest.fixture(scope="module")
+def sweep_rows(e2e_report: Any) -> Any:
+    rows: dict[tuple[str, int], Row] = {}
+    yield rows
+    if rows:
+        _sweep_summary(rows, e2e_report)
+
+
+def _sweep_summary(rows: dict[tuple[str, int], Row], report: Any) -> None:
+    print("\n=== concurrency sweep: useful tokens/s ===")
+    for n in sorted({n for _, n in rows}):
+        cells = {s: rows[(s, n)].tokens_per_s for s in _SWEEP_LABELS if (s, n) in rows}
+        line = ", ".join(f"{s} {v:.1f}" for s, v in cells.items())
+        if "pagedkv" in cells:
+            ratios = ", ".join(
+                f"pagedkv/{s} {cells['pagedkv'] / v:.2f}x" for s, v in cells.items() if s != "pagedkv"
+            )
+            line += f"; {ratios}"
+        print(f"n={n}: {line}")
+        report.notes.append(f"sweep n={n}: {line}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, marker in (("pagedkv", "o"), ("generate_batch", "s"), ("generate", "^")):
+        pts = sorted((n, r.tokens_per_s) for (s, n), r in rows.items() if s == system)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=_SWEEP_LABELS[system])
+    one = [(n, r.tokens_per_s) for (s, n), r in rows.items() if s == "generate_one_batch"]
+    if one:
+        ax.plot([p[0] for p in one], [p[1] for p in one], "v", color="grey", linestyle="none",
+                label="hf generate (one static batch of 128)")
+    ax.set_xscale("log")
+    sizes = sorted({n for _, n in rows})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("requests (submitted at once)")
+    ax.set_ylabel("useful tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    threads = torch.get_num_threads()
+    ax.set_title(f"SmolLM2-135M-Instruct fp32, CPU ({os.cpu_count()} cores, {threads} torch threads)\n"
+                 "chat prompts, output 8..128 tokens, greedy, EOS ignored", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    PLOT_PATH.parent.mkdir(exist_ok=True)
+    fig.savefig(PLOT_PATH, dpi=120)
+    plt.close(fig)
+    print(f"plot: {PLOT_PATH}")
+
+
+@pytest.mark.parametrize(("n", "system"), _SWEEP_CASES, ids=[f"{s}-{n}" for n, s in _SWEEP_CASES])
+def test_sweep(benchmark, e2e_report, sweep_rows, warm, hf_model, paged_model, tokenizer, sweep_workload, pad_id,
+               system, n):
+    sub = sweep_workload.take(n)
+    extra: dict[str, Any] = {}
+    if system in ("generate", "generate_one_batch"):
+        bs = n if system == "generate_one_batch" else min(n, SWEEP_STATIC_CAP)
         (_, raw), wall, c = _time(
-            benchmark, lambda: run_generate(hf_model, pad_id, sub.prompt_ids, sub.max_tokens, n)
+            benchmark, lambda: run_generate(hf_model, pad_id, sub.prompt_ids, sub.max_tokens, bs)
         )
-        name = f"sweep n={n}: hf generate (bs={n})"
+        extra["static_batch_size"] = bs
+    elif system == "generate_batch":
+        max_prompt = max(len(p) for p in sub.prompt_ids)
+        with GenerateBatchRunner(hf_model, pad_id, max_prompt, max(sub.max_tokens)) as runner:
+            runner.run(sub.prompt_ids[:2], [4, 4])  # warm the running manager
+            _, wall, c = _time(benchmark, lambda: runner.run(sub.prompt_ids, sub.max_tokens))
+        raw = sub.output_tokens
+        extra["setup_and_warmup_s_untimed"] = round(runner.setup_s, 2)
     else:
         llm = make_llm(paged_model, tokenizer)
         _, wall, c = _time(benchmark, lambda: run_pagedkv(llm, sub.prompt_ids, sub.max_tokens))
         raw = sub.output_tokens
-        name = f"sweep n={n}: pagedkv"
-    _record(benchmark, e2e_report, name, n, sub.output_tokens, raw, wall, c)
+        stats = llm.engine.stats
+        extra.update(engine_steps=stats.steps, peak_running=stats.peak_running, preemptions=stats.preemptions)
+    row = _record(benchmark, e2e_report, f"sweep n={n}: {_SWEEP_LABELS[system]}", n, sub.output_tokens, raw, wall,
+                  c)
+    benchmark.extra_info.update(extra)
+    print(f"  load after {c.load_after[0]:.2f}; {extra}")
+    sweep_rows[(system, n)] = row
 
 
 # --- where pagedkv's step time goes ----------------------------------------------------------------------------
