@@ -273,7 +273,7 @@ class Engine:
         outputs = []
         for request_id in touched:
             seqs = self._groups[request_id]
-            finished = all(s.is_finished for s in seqs)
+            finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             if finished or stream:
                 outputs.append(self._make_output(request_id, seqs, finished))
             if finished:
@@ -309,9 +309,8 @@ class Engine:
             return []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        keys = [self._seq_keys[s.seq_id] for s in sampling]
-        banned = [self._banned(s) for s in sampling]
-        tokens = self.sampler.sample(logits, sampling, keys, banned)
+        banned = [self._banned(s) if s.params.min_tokens else () for s in sampling]
+        tokens = self.sampler.sample(logits, sampling, lambda s: self._seq_keys[s.seq_id], banned)
         touched: dict[str, None] = {}
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
@@ -358,7 +357,7 @@ class Engine:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len:
+        elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             reason = "length"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+
 import torch
 
 from pagedkv.core.sequence import Sequence
@@ -26,10 +29,17 @@ class Sampler:
     def forget(self, key: int) -> None:
         self._generators.pop(key, None)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], keys: list[int], banned: list[list[int]]) -> list[int]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        key_of: Callable[[Sequence], int],
+        banned: list[SequenceOf[int]],
+    ) -> list[int]:
         """One token per row of ``logits`` (float32 ``[N, vocab]``).
 
-        ``banned[i]`` are token ids row ``i`` may not produce yet (EOS before ``min_tokens``).
+        ``banned[i]`` are token ids row ``i`` may not produce yet (EOS before ``min_tokens``);
+        ``key_of(seq)`` names a sampled sequence's generator (asked only for non-greedy rows).
         """
         for row, ids in enumerate(banned):
             if ids:
@@ -37,7 +47,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
             if not seq.params.greedy:
-                tokens[row] = self._sample_row(logits[row], seq, self.generator_for(seq, keys[row]))
+                tokens[row] = self._sample_row(logits[row], seq, self.generator_for(seq, key_of(seq)))
         return tokens
 
     @staticmethod

@@ -116,7 +116,8 @@ class FCFSScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed, budget)
+            uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            num_new = min(uncomputed, budget)
             while not self._allocate(seq, num_new):
                 if seq.is_finished:  # a plugin fault failed it
                     break

@@ -19,10 +19,8 @@ class SimulatedRunner:
 
     def __init__(self) -> None:
         self.steps = 0
-        self.tokens = 0
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """One row of one-token "logits" per sampling sequence."""
+        """Zero "logits", one row per scheduled sequence: enough rows for every sampling one, and all alike."""
         self.steps += 1
-        self.tokens += out.num_batched_tokens
-        return torch.zeros((sum(1 for item in out.scheduled if item.samples), 1))
+        return torch.zeros((len(out.scheduled), 1))
