@@ -20,6 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pagedkv.backends.cupy import compile as kc
+from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 NEEDS_CUDA = "the cupy backend needs a CUDA device; use --backend torch"
@@ -468,13 +469,7 @@ class CupyBackend:
     ) -> None:
         """Copy blocks between two caches (e.g. device and CPU): ``src[pairs[i,0]] -> dst[pairs[i,1]]``.
 
-        A plain memory transfer, done by torch (gather, copy across devices, scatter) on the current stream.
+        A plain memory transfer, done by the torch reference (gather, copy across devices, scatter) on the
+        current stream.
         """
-        if pairs.numel() == 0:
-            return
-        pairs = pairs.to(torch.int64).reshape(-1, 2)
-        for (sk, sv), (dk, dv) in zip(src, dst):
-            s = pairs[:, 0].to(sk.device)
-            d = pairs[:, 1].to(dk.device)
-            dk[d] = sk[s].to(dk.device)
-            dv[d] = sv[s].to(dv.device)
+        reference_swap_blocks(src, dst, pairs.to(torch.int64).reshape(-1, 2))

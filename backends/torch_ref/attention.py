@@ -151,7 +151,7 @@ def swap_blocks(
     if pairs.numel() == 0:
         return
     pairs = pairs.to(torch.int64)
-    for (sk, sv), (dk, dv) in zip(src, dst):
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
         s = pairs[:, 0].to(sk.device)
         d = pairs[:, 1].to(dk.device)
         dk[d] = sk[s].to(dk.device)

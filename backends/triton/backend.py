@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -153,12 +154,5 @@ class TritonBackend:
         dst: list[tuple[torch.Tensor, torch.Tensor]],
         pairs: torch.Tensor,
     ) -> None:
-        """Device <-> CPU block copies: plain torch indexing (a transfer, no kernel to write)."""
-        if pairs.numel() == 0:
-            return
-        pairs = pairs.to(torch.int64)
-        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
-            src_idx = pairs[:, 0].to(src_k.device)
-            dst_idx = pairs[:, 1].to(dst_k.device)
-            dst_k[dst_idx] = src_k[src_idx].to(dst_k.device)
-            dst_v[dst_idx] = src_v[src_idx].to(dst_v.device)
+        """Device <-> CPU block copies: a transfer, no kernel to write, so the reference does it."""
+        reference_swap_blocks(src, dst, pairs)
