@@ -65,6 +65,17 @@ def workload(tokenizer):
 # --- the machine ----------------------------------------------------------------------------------
 
 
+def facts(extra: str = "") -> str:
+    """One line to print beside a result: when, on what machine, under what load (plus ``extra``)."""
+    info = machine_info()
+    load = os.getloadavg()
+    line = (
+        f"{info['date']}; nproc {info['nproc']}; {info['cpu']}; RAM {info['ram_gib']} GiB; torch {info['torch']}; "
+        f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    return f"{line}; {extra}" if extra else line
+
+
 def machine_info() -> dict:
     import transformers
 

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import facts
 from pagedkv.core.allocator import PagedAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.sampling_params import SamplingParams
@@ -39,18 +40,6 @@ SIZES = (64, 1000, 10_000)
 PROMPT = 256
 _rows: dict = {}
 
-
-def facts() -> str:
-    import torch
-
-    cpu = "unknown"
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; nproc {os.cpu_count()}; {cpu}; torch {torch.__version__}; "
-            f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 def _median_s(benchmark) -> float:

@@ -29,11 +29,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import facts
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import gather_kv
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 THREADS = int(os.environ.get("PAGEDKV_KERNEL_THREADS", "1"))
+THREAD_NOTE = f"{THREADS} torch thread(s)"  # printed beside every result
 BLOCK = 16
 HEADS = {"smollm2-9q3kv-d64": (9, 3, 64), "llama-32q8kv-d128": (32, 8, 128)}
 CONFIGS = [
@@ -45,16 +47,6 @@ CONFIGS = [
 ]
 _ratios: dict[tuple, dict] = {}
 
-
-def facts() -> str:
-    cpu = "unknown"
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; nproc {os.cpu_count()}; {cpu}; torch {torch.__version__}; "
-            f"{THREADS} torch thread(s); loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +150,7 @@ def test_decode_attention(benchmark, heads, batch, ctx, backend):
                                     gather_over_sdpa_interleaved=round(gather, 3))
         print(f"\n[kernels] {heads} B={batch} ctx={ctx}: torch paged / SDPA contiguous = {ratio:.2f}x "
               f"(gather of K and V alone = {gather:.2f}x SDPA; {pairs} interleaved pairs; KV {kv_bytes / 2**20:.1f} "
-              f"MiB); {facts()}")
+              f"MiB); {facts(THREAD_NOTE)}")
 
 
 def test_kernels_summary(benchmark):
@@ -166,7 +158,7 @@ def test_kernels_summary(benchmark):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     if not _ratios:
         pytest.skip("no kernel rows")
-    print(f"\n[kernels summary] decode, one layer, block size {BLOCK}, fp32; {facts()}")
+    print(f"\n[kernels summary] decode, one layer, block size {BLOCK}, fp32; {facts(THREAD_NOTE)}")
     print(f"  {'heads':<20} {'batch':>5} {'ctx':>5} {'KV MiB':>7} {'paged/sdpa':>10} {'gather/sdpa':>11} {'load1':>5}")
     for (heads, batch, ctx), r in _ratios.items():
         print(f"  {heads:<20} {batch:>5} {ctx:>5} {r['kv_mib']:>7.1f} {r['paged_over_sdpa']:>10.2f} "

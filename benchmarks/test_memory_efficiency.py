@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import facts
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.simulate import SimSetup, run_once
 from pagedkv.core.workload import builtin_workload
@@ -50,21 +51,6 @@ BASE = SimSetup(
 
 _cache: dict = {}
 
-
-def facts() -> str:
-    import torch
-
-    cpu, mem_kb = "unknown", 0
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-        mem_kb = int(open("/proc/meminfo").readline().split()[1])
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()
-    return (
-        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; nproc {os.cpu_count()}; {cpu}; RAM {mem_kb / 2**20:.1f} GiB; "
-        f"torch {torch.__version__}; loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
 
 
 class MemoryRecorder:

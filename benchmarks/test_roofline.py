@@ -43,27 +43,16 @@ import time
 import pytest
 import torch
 
+from conftest import facts
+
 CTX = 256
 BATCHES = (1, 16, 64, 256)
 THREADS = tuple(int(t) for t in os.environ.get("PAGEDKV_ROOFLINE_THREADS", "1,2").split(",") if t.strip())
 ROUNDS = int(os.environ.get("PAGEDKV_ROOFLINE_ROUNDS", "3"))  # timed steps after one warm-up (2 at >1 thread)
 GOAL_FLOOR_PCT = 50.0
 GOAL_ENGINE_PCT = 5.0
+THREAD_NOTE = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"  # printed beside every result
 
-
-def facts() -> str:
-    cpu, mem_kb = "unknown", 0
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-        mem_kb = int(open("/proc/meminfo").readline().split()[1])
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()
-    return (
-        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; nproc {os.cpu_count()}; {cpu}; RAM {mem_kb / 2**20:.1f} GiB; "
-        f"torch {torch.__version__}; loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
-    )
 
 
 def others_running() -> str:
@@ -296,7 +285,7 @@ def test_decode_step_vs_roofline(benchmark, smollm2, batch, threads):
     print(f"  split: attention+write_kv {attn_s * 1e3:.1f} ms vs its floor {attn_floor * 1e3:.1f} ms "
           f"({row['attention_pct_of_its_floor']:.0f}%); the rest of the model call {rest_s * 1e3:.1f} ms vs its floor "
           f"{rest_floor * 1e3:.1f} ms ({row['non_attention_pct_of_its_floor']:.0f}%)")
-    print(f"  {facts()}; other processes in state R at the start: {busy} (ps %CPU is a lifetime average); "
+    print(f"  {facts(THREAD_NOTE)}; other processes in state R at the start: {busy} (ps %CPU is a lifetime average); "
           f"other processes used {100 * others.share:.0f}% of the machine's CPU during the timed steps")
     if batch == 64:
         floor_ok = row["pct_of_floor_median"] >= GOAL_FLOOR_PCT
@@ -311,7 +300,7 @@ def test_roofline_summary(benchmark):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     if not _rows:
         pytest.skip("no roofline rows (model missing?)")
-    print(f"\n[roofline summary] SmolLM2-135M fp32, torch backend, decode, ctx {CTX}; {facts()}")
+    print(f"\n[roofline summary] SmolLM2-135M fp32, torch backend, decode, ctx {CTX}; {facts(THREAD_NOTE)}")
     print(f"  {'thr':>3} {'batch':>5} {'step ms':>8} {'min ms':>8} {'mem fl':>7} {'cmp fl':>7} {'bound':>7} "
           f"{'%floor':>6} {'%fl min':>7} {'GB/s':>5} {'GFLOP/s':>7} {'engine%':>7} {'sch+meta%':>9} {'attn%fwd':>8} "
           f"{'attn%fl':>7} {'rest%fl':>7} {'load1':>5} {'others%':>7}")
