@@ -38,9 +38,6 @@ class PagedAllocator:
         target = self.blocks_to_reserve(seq, seq.num_computed_tokens + num_new_tokens)
         return max(0, target - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_new_tokens) <= self.pool.num_available
-
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens; all or nothing.
 

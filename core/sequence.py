@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from pagedkv.core.block_table import BlockTable
@@ -42,8 +41,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
     output_text: str = ""
     pending_forks: int = 0  # samples still to fork from this sequence after its prefill (n > 1)
     cache_salt: str | None = None  # keeps prefix-cache entries of different tenants apart

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class RunStats:
     requests: int = 0
     finished: int = 0
-    rejected: int = 0
     failed: int = 0  # ended by a plugin fault
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -22,7 +20,6 @@ class RunStats:
     tokens_recomputed: int = 0
     blocks_shared_by_fork: int = 0
     prefill_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits skip some)
-    started: float = field(default_factory=time.perf_counter)
     elapsed: float = 0.0
 
     def observe_memory(self, used_blocks: int, tokens_held: int, block_size: int, running: int) -> None:
@@ -39,9 +36,3 @@ class RunStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        data = asdict(self)
-        data.pop("started")
-        data["tokens_per_s"] = self.tokens_per_s
-        return data
