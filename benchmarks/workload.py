@@ -11,16 +11,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.core.demo import DEMO_PROMPTS
+
 # 40 short user messages of mixed kind and length; a workload of n takes a seeded sample of them.
 CHAT_TEXTS = [
-    "안녕하세요 반갑습니다",
-    "What is the capital of France?",
-    "Write a haiku about memory paging.",
-    "Explain in one sentence why a KV cache speeds up text generation.",
-    "List three fruits that are red.",
-    "What is 12 times 7?",
-    "Give me a short tip for writing clear code.",
-    "Translate 'good morning' into Spanish.",
+    *DEMO_PROMPTS,  # the `engine run` demo prompts first, then 32 more
     "Summarize the plot of Romeo and Juliet in two sentences.",
     "Why is the sky blue?",
     "Write a limerick about a cat who loves to code.",
