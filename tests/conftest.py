@@ -101,3 +101,19 @@ def smollm2(smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     return model, tokenizer
+
+
+def drain(engine, limit: int = 5000):
+    """Step until nothing is left, checking every invariant after each step.
+
+    Returns ``({request_id: finished output}, steps)``; fails if the run does not end within ``limit`` steps.
+    """
+    results, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        engine.check_invariants()
+        steps += 1
+        assert steps < limit, "the engine did not finish in a bounded number of steps"
+    return results, steps

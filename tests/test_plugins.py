@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy, random_prompts
+from conftest import drain, hf_greedy, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
 
 
 def run(engine, prompts, params):
     params = params if isinstance(params, list) else [params] * len(prompts)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        engine.check_invariants()
-        steps += 1
-        assert steps < 2000, "the engine did not finish"
+    results, _ = drain(engine, limit=2000)
     return [results[i] for i in ids]
 
 

@@ -7,24 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import hf_greedy, random_prompts
+from conftest import drain, hf_greedy, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.core.hookspecs import hookimpl
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
-
-
-def drain(engine, limit=5000):
-    results, steps = {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        engine.check_invariants()
-        steps += 1
-        assert steps < limit, "the engine did not finish in a bounded number of steps"
-    return results, steps
 
 
 def all_blocks_back(engine):
