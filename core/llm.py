@@ -14,13 +14,19 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     Keyword arguments are :class:`EngineConfig` fields (``backend``,
-    ``block_size``, ``kv_cache_memory``, ``num_blocks``, ``max_model_len``, ...).
+    ``block_size``, ``kv_cache_memory``, ``num_blocks``, ``max_model_len``, ...);
+    ``plugins`` are extra plugin objects for this engine, as for :class:`Engine`.
     """
 
     def __init__(
-        self, model: str | None = None, *, hf_model: Any = None, tokenizer: Any = None, **config: Any
+        self,
+        model: str | None = None,
+        *,
+        hf_model: Any = None,
+        tokenizer: Any = None,
+        plugins: tuple[Any, ...] = (),
+        **config: Any,
     ) -> None:
-        plugins = config.pop("plugins_objects", ())
         self.engine = Engine(EngineConfig(model=model, **config), model=hf_model, tokenizer=tokenizer, plugins=plugins)
 
     @property
