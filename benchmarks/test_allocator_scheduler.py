@@ -157,6 +157,7 @@ def decoding_engine(n: int):
         EngineConfig(num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=n * PROMPT, block_size=16,
                      max_model_len=PROMPT + 1000),
         simulate=SimSetup().model_config,  # SmolLM2-135M's shape, the simulator's default
+        decode_lane=False,  # this suite times the one-by-one step (what a real engine runs)
     )
     engine.runner = Recording()
     for i in range(n):

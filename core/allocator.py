@@ -51,8 +51,7 @@ class PagedAllocator:
         if self.hooks is None:  # nothing can be shared without plugins: no copy-on-write to check
             if new_blocks > self.pool.num_available:
                 return False
-            for _ in range(new_blocks):
-                seq.block_table.append(self.pool.allocate(seq.request_id))
+            seq.block_table.blocks.extend(self.pool.allocate_many(new_blocks, seq.request_id))
             return True
         shared = self._shared_write_block(seq)
         needed = new_blocks + (shared is not None)
@@ -99,8 +98,7 @@ class PagedAllocator:
 
     def free(self, seq: Sequence) -> None:
         """Give back every reference the sequence holds, tail block first."""
-        for block_id in reversed(seq.block_table.clear()):
-            self.pool.decref(block_id, seq.request_id)
+        self.pool.decref_many(reversed(seq.block_table.clear()), seq.request_id)
 
 
 class StaticAllocator(PagedAllocator):

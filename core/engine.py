@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.allocator import PagedAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, RequestRejected
@@ -24,6 +25,7 @@ from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from pagedkv.core.simulated_runner import SimulatedRunner
 from pagedkv.core.stats import RunStats
 
 log = logging.getLogger("pagedkv")
@@ -39,7 +41,10 @@ class Engine:
     otherwise ``config.model`` is loaded offline. With ``simulate`` (an HF model
     config, or anything with its shape fields) no model is loaded at all: a
     stand-in runner produces token counts only, and the same pool, allocator,
-    scheduler and plugins run as in a real engine (``engine simulate``).
+    scheduler and plugins run as in a real engine (``engine simulate``); there,
+    unless ``decode_lane`` is False or a plugin needs to see every sequence each
+    step, sequences in steady decode ride a :class:`DecodeLane` on non-streaming
+    steps (same decisions, far less per-step work).
     """
 
     def __init__(
@@ -50,6 +55,7 @@ class Engine:
         tokenizer: Any = None,
         plugins: tuple[Any, ...] = (),
         simulate: Any = None,
+        decode_lane: bool = True,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
@@ -93,8 +99,6 @@ class Engine:
         ) else None
 
         if simulate is not None:
-            from pagedkv.core.simulated_runner import SimulatedRunner
-
             self.runner = SimulatedRunner()
             self.eos_token_ids: frozenset[int] = frozenset()
         else:
@@ -104,6 +108,13 @@ class Engine:
             self.eos_token_ids = _eos_ids(model, tokenizer)
         self.sampler = Sampler(config.seed)
         self._sharing = alloc_hooks is not None
+        self._lane = None
+        if simulate is not None and decode_lane and not (
+            alloc_hooks or sched_hooks or pool_hooks or self.events.enabled or self._block_full_hook or self._fork_hook
+        ) and getattr(self.scheduler, "lane", False) is None and isinstance(self.allocator, PagedAllocator):
+            from pagedkv.core.decode_lane import DecodeLane
+
+            self._lane = self.scheduler.lane = DecodeLane(config.block_size, token=SimulatedRunner.TOKEN)
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
@@ -223,7 +234,10 @@ class Engine:
     def _validate(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise RequestRejected("the prompt is empty; give at least one token")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
+        plain_ints = set(map(type, token_ids)) == {int}  # C-speed check for the usual case
+        if not plain_ints and not all(isinstance(t, int) for t in token_ids) or not (
+            0 <= min(token_ids) and max(token_ids) < self.vocab_size
+        ):
             raise RequestRejected(f"prompt token ids must be integers in 0..{self.vocab_size - 1}")
         if len(token_ids) > self.max_model_len:
             if self.max_model_len == self.capacity_tokens:
@@ -256,10 +270,13 @@ class Engine:
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one engine step. Returns outputs of requests that finished (and, if
         ``stream``, of those that produced a token)."""
+        lane = self._lane
+        if lane is not None and stream and lane.members:
+            lane.flush()  # a streaming step reports every sequence's new token: they must be exact
         out = self.scheduler.schedule()
         touched: list[str] = []
         if not out.is_empty:
-            touched = self._update(out, self.runner.execute(out))
+            touched = self._update(out, self.runner.execute(out), lane if not stream else None)
         elif not self.scheduler.failed:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress; this is a bug in pagedkv")
@@ -282,7 +299,8 @@ class Engine:
                     self._forget(seq)
         return outputs
 
-    def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[str]:
+    def _update(self, out: SchedulerOutput, logits: torch.Tensor, lane: Any = None) -> list[str]:
+        """Count the step's tokens, sample, finish; with ``lane``, let sequences that now decode join it."""
         sampling: list[Sequence] = []
         rows: list[int] = []  # logits row of each sampling sequence
         row = 0
@@ -305,19 +323,40 @@ class Engine:
                     sampling.append(seq)
                     rows.append(row)
                 row += 1
-        if not sampling:
-            return []
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        banned = [self._banned(s) if s.params.min_tokens else () for s in sampling]
-        tokens = self.sampler.sample(logits, sampling, lambda s: self._seq_keys[s.seq_id], banned)
+        tokens: list[int] = []
+        if sampling:
+            if len(rows) != logits.shape[0]:
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            banned = [self._banned(s) if s.params.min_tokens else () for s in sampling]
+            tokens = self.sampler.sample(logits, sampling, lambda s: self._seq_keys[s.seq_id], banned)
         touched: dict[str, None] = {}
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
             self.stats.generated_tokens += 1
+        if out.lane_decodes:
+            self.stats.generated_tokens += out.lane_decodes
+            ended = self._lane.advance()  # lane members finishing now, with their tokens in place
+            if ended:  # finish in running order, as one-by-one stepping does (freed block ids depend on it)
+                merged = sorted([*zip(sampling, tokens), *((s, self._lane.token) for s in ended)],
+                                key=lambda pair: pair[0].run_order)
+                sampling, tokens = [p[0] for p in merged], [p[1] for p in merged]
+        for seq, token in zip(sampling, tokens):
+            was_running = not seq.is_finished
             self._check_finish(seq, token)
             touched[seq.request_id] = None
+            if lane is not None and was_running and not seq.is_finished:
+                self._join_lane(lane, seq)
         return list(touched)
+
+    def _join_lane(self, lane: Any, seq: Sequence) -> None:
+        """A sequence that sampled and goes on decoding rides the lane if its end is fixed by length."""
+        if seq not in lane.outside:
+            raise RuntimeError(f"decode lane out of step: {seq.request_id} should have finished")
+        p = seq.params
+        if p.stop_token_ids or p.stop or seq.pending_forks or self.eos_token_ids:
+            return  # a token could end it: it stays outside and is stepped one by one
+        n_out = len(seq.output_token_ids)
+        lane.join(seq, min(p.max_tokens - n_out, seq.max_len - len(seq.prompt_token_ids) - n_out))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After its prefill, split a parent into its n samples, sharing every block."""
@@ -397,6 +436,8 @@ class Engine:
     def _tokens_held(self) -> int:
         """Computed tokens in used blocks, counting a shared block once."""
         if not self._sharing:  # nothing is shared: a cheap sum will do
+            if self._lane is not None:  # the running list is the lane plus the few outside it
+                return self._lane.tokens() + sum(s.num_computed_tokens for s in self._lane.outside)
             return sum(s.num_computed_tokens for s in self.scheduler.running)
         bs = self.config.block_size
         fill: dict[int, int] = {}
@@ -432,10 +473,15 @@ class Engine:
     def check_invariants(self) -> None:
         """Every block is free, owned by exactly its holders, or kept; queues agree with states.
 
-        Used by tests after every operation; cheap enough for debugging runs too.
+        Used by tests after every operation; cheap enough for debugging runs too. It flushes the
+        decode lane first, so every sequence's counters are exact.
         """
         self.pool.check()
         sched = self.scheduler
+        if self._lane is not None:
+            self._lane.flush()
+            assert set(self._lane.outside) == set(sched.running), "the decode lane lost track of a running sequence"
+        assert [s.run_order for s in sched.running] == sorted(s.run_order for s in sched.running)
         bs = self.config.block_size
         queues = [(sched.running, SequenceStatus.RUNNING), (sched.waiting, SequenceStatus.WAITING),
                   (sched.swapped, SequenceStatus.SWAPPED)]

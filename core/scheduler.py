@@ -8,12 +8,22 @@ the newest running sequence is preempted: by default its blocks are freed and
 it goes back to the front of the queue to be recomputed later; a plugin may
 choose to swap it out to CPU memory instead (``pagedkv_choose_preemption``),
 and swapped sequences come back before any new request is admitted.
+
+A simulated engine attaches a :class:`~pagedkv.core.decode_lane.DecodeLane`:
+sequences in steady decode then need no per-step work, and the running phase
+touches only those crossing a block boundary and those outside the lane. When
+that shortcut could decide differently (a preemption is possible, or the budget
+does not cover the whole batch) the lane is flushed and the step runs one
+sequence at a time, as without it.
 """
 
 from __future__ import annotations
 
+import itertools
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from pagedkv.core.events import EventLog
@@ -21,6 +31,7 @@ from pagedkv.core.plugin_guard import PluginFault, call_decision
 from pagedkv.core.sequence import Sequence, SequenceStatus
 
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
+_run_order = attrgetter("run_order")
 
 
 @dataclass
@@ -42,14 +53,16 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    lane_decodes: int = 0  # decode-lane sequences also stepped (one token each); not in ``scheduled``
+    lane_context: int = 0  # their cached tokens before this step, summed
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled) + self.lane_decodes
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.lane_decodes
 
 
 @dataclass
@@ -77,6 +90,8 @@ class FCFSScheduler:
         self.tokens_discarded = 0  # by preemptions by recompute, over the whole run
         self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
         self.step_index = 0
+        self.lane: Any = None  # a DecodeLane, attached by a simulated engine
+        self._run_orders = itertools.count()
 
     # --- queue management ---------------------------------------------------------------------
 
@@ -86,19 +101,38 @@ class FCFSScheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one joins it (its blocks are already shared)."""
+        self._start_running(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
+        seq.run_order = next(self._run_orders)  # so the running list is always sorted by run_order
         self.running.append(seq)
+        if self.lane is not None:
+            self.lane.enter(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        """O(log n) to find: the running list is sorted by run_order (a linear search is the fallback)."""
+        running = self.running
+        i = bisect_left(running, seq.run_order, key=_run_order)
+        if i < len(running) and running[i] is seq:
+            del running[i]
+        elif seq in running:  # put there by hand, without a run_order
+            running.remove(seq)
+        # else: a preemption victim that a plugin failed, popped already
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the queues and give back its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+        status = seq.status
+        if status is SequenceStatus.RUNNING:
+            self._remove_running(seq)
+            if self.lane is not None:
+                self.lane.discard(seq)
+        elif status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        elif seq in self.swapped:
+        elif status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swapper.free(seq)
         self.allocator.free(seq)
@@ -112,6 +146,12 @@ class FCFSScheduler:
         self.step_index += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        lane = self.lane
+        if lane is not None and lane.members:
+            left = self._schedule_with_lane(lane, out)
+            if left is not None:
+                return self._finish_schedule(out, left)
+            lane.flush()  # this step may preempt or ration the budget: take it one sequence at a time
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -133,7 +173,10 @@ class FCFSScheduler:
             if seq.is_finished:
                 continue  # it left the running list; the next one moved up to index i
             break  # the sequence preempted itself: nothing newer is left to run
+        return self._finish_schedule(out, budget)
 
+    def _finish_schedule(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
+        """After the running phase: swapped sequences back, then new ones, then the step's copies."""
         if not out.preempted:
             budget = self._swap_in(out, budget)
             if not self.swapped:
@@ -144,6 +187,47 @@ class FCFSScheduler:
             for item in out.scheduled:
                 self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
         return out
+
+    def _schedule_with_lane(self, lane: Any, out: SchedulerOutput) -> int | None:
+        """The running phase with a decode lane; returns the budget left, or None if the step must go one by one.
+
+        Every lane member gets its one token; the few running sequences outside the lane get
+        what the one-by-one loop would give them. Blocks are handed out in running order, as
+        that loop does, so block ids come out the same. Declines when the budget would run
+        out before a lane member or when the step's new blocks might not all fit.
+        """
+        budget = self.max_num_batched_tokens
+        members = len(lane.members)
+        outside = sorted(lane.outside, key=_run_order) if lane.outside else []
+        wants = [s.num_tokens - s.num_computed_tokens for s in outside]
+        if members + sum(wants) <= budget:
+            grants = wants
+        elif members < budget and outside[0].run_order > lane.newest:  # every member is ahead of them
+            left, grants = budget - members, []
+            for want in wants:
+                if left <= 0:
+                    break
+                grants.append(min(want, left))
+                left -= grants[-1]
+        else:
+            return None
+        due = lane.due_crossings()
+        allocator = self.allocator
+        new_blocks = {s: allocator.num_new_blocks(s, g) for s, g in zip(outside, grants)}
+        needed = len(due) + sum(new_blocks.values())
+        if needed > allocator.pool.num_available:
+            return None
+        out.lane_decodes, out.lane_context = members, lane.tokens()
+        # One slice of the free queue, dealt out in running order: the ids the one-by-one loop would give.
+        blocks = iter(allocator.pool.allocate_many(needed))
+        for seq in sorted(due + outside[: len(grants)], key=_run_order) if grants else due:
+            count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
+            if count:
+                seq.block_table.blocks.extend(itertools.islice(blocks, count))
+        for seq, num_new in zip(outside, grants):
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+        lane.take_crossings(due)
+        return budget - members - sum(grants)
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         """``allocator.allocate_slots``, failing just this sequence if a plugin breaks."""
@@ -170,8 +254,7 @@ class FCFSScheduler:
             self.swapped.popleft()
             out.swap_in.extend(self.swapper.swap_in(seq))
             self.allocator.allocate_slots(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
             self.events.emit("request_swap_in", request=seq.request_id)
@@ -196,13 +279,14 @@ class FCFSScheduler:
                     seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
+        if self.lane is not None:
+            self.lane.discard(seq)  # it has left the running list already
         choice = None
         try:
             if self.hooks is not None:

@@ -45,6 +45,7 @@ class Sequence:
     pending_forks: int = 0  # samples still to fork from this sequence after its prefill (n > 1)
     cache_salt: str | None = None  # keeps prefix-cache entries of different tenants apart
     error: str | None = None  # why the request failed (finish reason "error")
+    run_order: int = 0  # stamped by the scheduler each time it starts running: the running queue's order
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
 
     @property

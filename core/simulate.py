@@ -39,6 +39,7 @@ class SimSetup:
     swap_space: int | str | None = None
     allocator: str = "paged"
     trace: str | None = None
+    decode_lane: bool = True  # False: step every sequence one by one (same results, slower; for checking)
 
     def engine_config(self) -> Any:
         from pagedkv.core.config import EngineConfig
@@ -95,7 +96,9 @@ def run_once(
     from pagedkv.core.sampling_params import SamplingParams
 
     try:
-        engine = Engine(setup.engine_config(), plugins=plugins, simulate=setup.model_config)
+        engine = Engine(
+            setup.engine_config(), plugins=plugins, simulate=setup.model_config, decode_lane=setup.decode_lane
+        )
     except ConfigError as exc:
         raise SimulationError(f"{exc} (setting: {_budget_text(setup)})") from None
     engine.runner = runner = _recording_runner(engine)
@@ -147,7 +150,7 @@ def run_once(
         outs = engine.step(stream=False)
         out = runner.last
         step += 1
-        prefill = decodes = context = 0
+        prefill, decodes, context = 0, out.lane_decodes, out.lane_context
         for item in out.scheduled:
             seq = item.seq
             ctx = item.context_len

@@ -14,6 +14,7 @@ from pagedkv.core.scheduler import SchedulerOutput
 
 
 class SimulatedRunner:
+    TOKEN = 0  # the only column of its logits, so every sample is this token
     kv_caches: list = []
     cpu_kv_caches = None
 

@@ -1,0 +1,143 @@
+"""The decode lane: running sequences in steady decode, moved forward by a clock instead of one by one.
+
+In a simulated engine (``engine simulate``) every sampled token is 0 and a request
+ends only by length, so a running sequence whose prompt is computed has a known
+future: one more computed token and one more output token per step, a new block
+each time its table fills, and a known last step. The lane holds such sequences
+with the clock value they joined at; the scheduler and engine touch one only on
+the step it crosses a block boundary or finishes. A step's work then grows with
+those events rather than with the running batch, which is what makes 100k
+requests cheap to plan.
+
+While a sequence is in the lane its ``num_computed_tokens`` and
+``output_token_ids`` are stale; it is brought up to date (materialized) when it
+leaves: on its finishing step, when it is aborted, or when the engine needs
+every sequence exact (``flush``: a step with a preemption, a token budget too
+small for the whole batch, a streaming step, an invariant check). The decisions
+are those of the one-by-one step, in the same order: tests run both and compare
+every figure and the block event sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from operator import attrgetter
+
+from pagedkv.core.sequence import Sequence
+
+_run_order = attrgetter("run_order")
+
+
+class _Member:
+    __slots__ = ("joined", "computed", "last_step", "serial")
+
+    def __init__(self, joined: int, computed: int, last_step: int, serial: int) -> None:
+        self.joined = joined  # lane clock when it joined
+        self.computed = computed  # its computed tokens then
+        self.last_step = last_step  # the lane step it finishes on
+        self.serial = serial  # tells a live calendar entry from one left behind by an earlier membership
+
+
+class DecodeLane:
+    """Sequences that get exactly one token per step until a known step; see the module docstring."""
+
+    def __init__(self, block_size: int, token: int = 0) -> None:
+        self.block_size = block_size
+        self.token = token  # the token every step samples (the simulated runner's only logit)
+        self.clock = 0  # lane steps taken
+        self.members: dict[Sequence, _Member] = {}
+        self.outside: dict[Sequence, None] = {}  # running sequences not in the lane (prefilling, or just admitted)
+        self.newest = -1  # largest run_order a member has had since the last flush (an upper bound)
+        self._offset = 0  # sum over members of (computed at join - clock at join)
+        self._crossings: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members needing a block then
+        self._finishes: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members finishing then
+        self._serials = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def tokens(self) -> int:
+        """Computed tokens the members hold now (their context before the next step)."""
+        return self._offset + len(self.members) * self.clock
+
+    def enter(self, seq: Sequence) -> None:
+        """A sequence started running (admitted, swapped in or forked); it waits outside until it decodes."""
+        self.outside[seq] = None
+
+    def join(self, seq: Sequence, steps_left: int) -> None:
+        """Take in a running sequence that has just sampled and will decode ``steps_left`` more steps."""
+        member = _Member(self.clock, seq.num_computed_tokens, self.clock + steps_left, next(self._serials))
+        del self.outside[seq]
+        self.members[seq] = member
+        self._offset += member.computed - member.joined
+        self.newest = max(self.newest, seq.run_order)
+        self._finishes.setdefault(member.last_step, []).append((seq, member.serial))
+        self._plan_crossing(seq, member, member.computed)
+
+    def _plan_crossing(self, seq: Sequence, member: _Member, computed: int) -> None:
+        """Book the step at which ``seq`` (holding ``computed`` tokens now) next needs a block."""
+        step = self.clock + len(seq.block_table.blocks) * self.block_size - computed + 1
+        if step <= member.last_step:
+            self._crossings.setdefault(step, []).append((seq, member.serial))
+
+    def _live(self, entries: list[tuple[Sequence, int]]) -> list[Sequence]:
+        members = self.members
+        live = []
+        for seq, serial in entries:
+            member = members.get(seq)
+            if member is not None and member.serial == serial:
+                live.append(seq)
+        return live
+
+    def due_crossings(self) -> list[Sequence]:
+        """Members that need a new block on the coming step, in running order (not yet taken)."""
+        entries = self._crossings.get(self.clock + 1)
+        if not entries:
+            return []
+        due = self._live(entries)
+        due.sort(key=_run_order)
+        return due
+
+    def take_crossings(self, allocated: list[Sequence]) -> None:
+        """The scheduler gave each of ``allocated`` (the due crossings) its block: book the next ones."""
+        self._crossings.pop(self.clock + 1, None)
+        step = self.clock + 1
+        for seq in allocated:
+            member = self.members[seq]
+            computed_after = member.computed + step - member.joined  # tokens held after the coming step
+            self._plan_crossing(seq, member, computed_after - 1)
+
+    def advance(self) -> list[Sequence]:
+        """One step passed: every member decoded one token. Returns (materialized) those that finish now."""
+        self.clock += 1
+        entries = self._finishes.pop(self.clock, None)
+        if not entries:
+            return []
+        done = self._live(entries)
+        done.sort(key=_run_order)
+        for seq in done:
+            self._leave(seq)
+        return done
+
+    def discard(self, seq: Sequence) -> None:
+        """A running sequence stops running (finished, aborted or preempted): materialize it if needed."""
+        if seq in self.members:
+            self._leave(seq)
+        else:
+            self.outside.pop(seq, None)
+
+    def flush(self) -> None:
+        """Materialize every member and move it outside: the next step goes one sequence at a time."""
+        for seq in list(self.members):
+            self._leave(seq)
+            self.outside[seq] = None
+        self._crossings.clear()
+        self._finishes.clear()
+        self.newest = -1
+
+    def _leave(self, seq: Sequence) -> None:
+        member = self.members.pop(seq)
+        steps = self.clock - member.joined
+        self._offset -= member.computed - member.joined
+        seq.num_computed_tokens = member.computed + steps
+        seq.output_token_ids.extend(itertools.repeat(self.token, steps))

@@ -1,0 +1,251 @@
+"""The decode lane (``engine simulate``'s shortcut) decides exactly what one-by-one stepping decides.
+
+Each check runs the same thing twice, with ``decode_lane`` on and off, and compares
+everything observable: the run's figures, the blocks-in-use series, every block id
+handed out and every block freed (with its owner), and, in the stateful test, the
+pool, the queues and every step's outputs after every operation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv import Engine, EngineConfig, SamplingParams
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.simulate import SimSetup, run_once
+from pagedkv.core.simulated_runner import SimulatedRunner
+from pagedkv.core.workload import builtin_workload
+
+SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
+
+
+@pytest.fixture
+def block_log(monkeypatch):
+    """Every block id the pool hands out, and every (block, owner) it takes back, in order."""
+    log: list[tuple] = []
+    allocate, allocate_many = BlockPool.allocate, BlockPool.allocate_many
+    decref, decref_many = BlockPool.decref, BlockPool.decref_many
+
+    def logged_allocate(self, owner=None):
+        block_id = allocate(self, owner)
+        log.append(("alloc", block_id))
+        return block_id
+
+    def logged_allocate_many(self, count, owner=None):
+        blocks = allocate_many(self, count, owner)
+        log.extend(("alloc", b) for b in blocks)
+        return blocks
+
+    def logged_decref(self, block_id, owner=None):
+        log.append(("free", block_id, owner))
+        decref(self, block_id, owner)
+
+    def logged_decref_many(self, block_ids, owner=None):
+        block_ids = list(block_ids)
+        log.extend(("free", b, owner) for b in block_ids)
+        decref_many(self, block_ids, owner)
+
+    monkeypatch.setattr(BlockPool, "allocate", logged_allocate)
+    monkeypatch.setattr(BlockPool, "allocate_many", logged_allocate_many)
+    monkeypatch.setattr(BlockPool, "decref", logged_decref)
+    monkeypatch.setattr(BlockPool, "decref_many", logged_decref_many)
+    return log
+
+
+CASES = {
+    "roomy": ("sharegpt", 300, None, SimSetup(num_blocks=3000, max_num_seqs=64)),
+    "preempting, small budget": ("sharegpt", 300, None,
+                                 SimSetup(num_blocks=700, max_num_seqs=256, max_num_batched_tokens=512)),
+    "poisson arrivals, chunked prefill": ("sharegpt", 200, 20.0,
+                                          SimSetup(num_blocks=2000, max_num_seqs=32, max_num_batched_tokens=300)),
+    "block size 1, budget below the batch": ("alpaca", 300, None,
+                                             SimSetup(num_blocks=3000, max_num_seqs=300, block_size=1,
+                                                      max_num_batched_tokens=200)),
+    "static baseline": ("sharegpt", 150, None,
+                        SimSetup(num_blocks=20000, max_num_seqs=256, allocator="static", max_model_len=4096)),
+    "n > 1 without forking": ("alpaca", 200, None, SimSetup(num_blocks=400, max_num_seqs=48, block_size=8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lane_run_is_the_one_by_one_run(case, block_log):
+    name, n, rate, setup = CASES[case]
+    workload = builtin_workload(name, n, seed=3, request_rate=rate)
+    if case.startswith("n > 1"):
+        workload.requests = [replace(r, n=1 + i % 3) for i, r in enumerate(workload.requests)]
+    runs = []
+    for lane in (False, True):
+        block_log.clear()
+        result = run_once(workload, replace(setup, decode_lane=lane))
+        result.pop("wall_s")
+        series = result.pop("series")
+        runs.append((result, list(series["t"]), list(series["blocks_used"]), list(block_log)))
+    assert runs[0][0]["finished"] == n
+    assert runs[0][3], "the block log recorded nothing"
+    one_by_one, lane = runs
+    for key in one_by_one[0]:
+        assert lane[0][key] == one_by_one[0][key], key
+    assert lane[1:3] == one_by_one[1:3], "blocks in use over time differ"
+    assert lane[3] == one_by_one[3], "block ids or their order differ"
+
+
+@pytest.mark.parametrize("case", ["roomy", "preempting, small budget"])
+def test_lane_carries_most_decodes_and_cases_cover_preemption(case, monkeypatch):
+    """The comparisons above must exercise both paths: the lane does most decodes, and preemptions happen."""
+    counts = {"lane": 0, "stepped": 0}
+    execute = SimulatedRunner.execute
+
+    def counting_execute(self, out):
+        counts["lane"] += out.lane_decodes
+        counts["stepped"] += len(out.scheduled)
+        return execute(self, out)
+
+    monkeypatch.setattr(SimulatedRunner, "execute", counting_execute)
+    name, n, rate, setup = CASES[case]
+    result = run_once(builtin_workload(name, n, seed=3, request_rate=rate), setup, series=False)
+    assert counts["lane"] > 5 * counts["stepped"]
+    if case.startswith("preempting"):
+        assert result["preemptions"] > 50
+
+
+def test_lane_is_on_only_where_nothing_needs_every_sequence():
+    config = EngineConfig(device="cpu", num_blocks=64, block_size=4)
+    assert Engine(config, simulate=SIM_MODEL)._lane is not None
+    assert Engine(config, simulate=SIM_MODEL, decode_lane=False)._lane is None
+    assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, allocator="static"), simulate=SIM_MODEL)._lane is not None
+
+
+def test_lane_member_materializes_when_aborted_or_streamed():
+    engine = Engine(EngineConfig(device="cpu", num_blocks=64, block_size=4), simulate=SIM_MODEL)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = engine.add_request([4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(10):
+        engine.step(stream=False)
+    seq_a, seq_b = engine._groups[a][0], engine._groups[b][0]
+    assert seq_a in engine._lane.members and len(seq_a.output_token_ids) == 1  # stale while in the lane
+    assert engine.abort(a)
+    assert len(seq_a.output_token_ids) == 10 and seq_a.num_computed_tokens == 3 + 9
+    outs = engine.step(stream=True)  # streaming: every running sequence exact again
+    assert [o.request_id for o in outs] == [b] and len(outs[0].token_ids) == 11
+    assert seq_b.num_computed_tokens == 2 + 10
+    engine.check_invariants()
+
+
+def test_blocks_go_out_in_running_order_around_an_older_sequence_outside_the_lane():
+    """Block size 1: every decode needs a block every step. The oldest request has a stop id, so it is
+    stepped one by one outside the lane, and must still get its block before the newer lane members."""
+    config = EngineConfig(device="cpu", num_blocks=200, block_size=1, max_num_seqs=8)
+    twins = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
+    for engine in twins:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[7]))
+        for prompt in ([4, 5], [6], [8, 9, 10]):
+            engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(12):
+        for engine in twins:
+            engine.step(stream=False)
+    plain, laned = twins
+    assert len(laned._lane.members) == 3 and len(laned._lane.outside) == 1
+    assert [s.block_table.blocks for s in plain.scheduler.running] == [
+        s.block_table.blocks for s in laned.scheduler.running
+    ]
+
+
+# --- stateful: two engines, lane on and off, fed the same operations --------------------------------------------
+
+
+class TwinMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(10, 48), block_size=st.sampled_from([1, 2, 4]),
+                max_num_seqs=st.integers(1, 8), budget=st.integers(1, 40), static=st.booleans())
+    def build(self, num_blocks, block_size, max_num_seqs, budget, static):
+        config = EngineConfig(device="cpu", block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=budget, allocator="static" if static else "paged",
+                              max_model_len=min(num_blocks * block_size, 60))
+        self.engines = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
+        self.active: list[str] = []
+
+    @rule(prompt=st.lists(st.integers(1, 999), min_size=1, max_size=30), n=st.integers(1, 2),
+          max_tokens=st.integers(1, 30), stop=st.sampled_from([(), (), (), (0,), (7,)]))
+    def add(self, prompt, n, max_tokens, stop):
+        # a stop id keeps a sequence out of the lane: (0,) ends it at its first token, (7,) never fires,
+        # so it stays outside, stepped one by one among lane members
+        params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop))
+        limit = self.engines[0].max_model_len
+        if len(prompt) > limit:
+            prompt = prompt[:limit]
+        ids = [engine.add_request(prompt, params) for engine in self.engines]
+        assert ids[0] == ids[1]
+        self.active.append(ids[0])
+
+    @precondition(lambda self: self.engines[0].has_unfinished())
+    @rule(times=st.integers(1, 12), stream=st.booleans())
+    def step(self, times, stream):
+        for _ in range(times):
+            if not self.engines[0].has_unfinished():
+                break
+            outs = [[(o.request_id, o.finished, o.token_ids) for o in e.step(stream=stream)] for e in self.engines]
+            assert outs[0] == outs[1]
+            for request_id, finished, _ in outs[0]:
+                if finished:
+                    self.active.remove(request_id)
+
+    @precondition(lambda self: self.active)
+    @rule(which=st.integers(0, 10**6))
+    def abort(self, which):
+        request_id = self.active.pop(which % len(self.active))
+        assert all(engine.abort(request_id) for engine in self.engines)
+
+    @rule(budget=st.integers(1, 40))
+    def change_token_budget(self, budget):
+        for engine in self.engines:
+            engine.scheduler.max_num_batched_tokens = budget
+
+    @invariant()
+    def twins_agree(self):
+        plain, laned = self.engines
+        assert plain.pool.ref_counts == laned.pool.ref_counts
+        assert list(plain.pool.free_queue) == list(laned.pool.free_queue)
+        for queue in ("running", "waiting"):
+            ids = [[s.request_id for s in getattr(e.scheduler, queue)] for e in self.engines]
+            assert ids[0] == ids[1], queue
+        assert [s.block_table.blocks for s in plain.scheduler.running] == [
+            s.block_table.blocks for s in laned.scheduler.running
+        ]
+        assert vars(plain.stats) == vars(laned.stats)
+        lane = laned._lane
+        assert not set(lane.members) & set(lane.outside)
+        assert set(lane.members) | set(lane.outside) == set(laned.scheduler.running)
+        assert lane.tokens() + sum(s.num_computed_tokens for s in lane.outside) == sum(
+            s.num_computed_tokens for s in plain.scheduler.running
+        )
+
+    def teardown(self):
+        engines = getattr(self, "engines", None)
+        if engines is None:
+            return
+        for request_id in list(self.active):
+            for engine in engines:
+                engine.abort(request_id)
+        for engine in engines:
+            assert not engine.has_unfinished()
+            engine.check_invariants()
+            assert engine.pool.num_free == engine.num_blocks
+
+
+TwinMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PAGEDKV_STATE_EXAMPLES", "40")),
+    stateful_step_count=150,
+    derandomize=True,
+    deadline=None,
+    database=None,
+)
+test_lane_and_one_by_one_engines_stay_identical = TwinMachine.TestCase
