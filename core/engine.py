@@ -341,11 +341,12 @@ class Engine:
                                 key=lambda pair: pair[0].run_order)
                 sampling, tokens = [p[0] for p in merged], [p[1] for p in merged]
         for seq, token in zip(sampling, tokens):
-            was_running = not seq.is_finished
             self._check_finish(seq, token)
             touched[seq.request_id] = None
-            if lane is not None and was_running and not seq.is_finished:
-                self._join_lane(lane, seq)
+        if lane is not None:
+            for seq in sampling:
+                if seq.status is SequenceStatus.RUNNING:
+                    self._join_lane(lane, seq)
         return list(touched)
 
     def _join_lane(self, lane: Any, seq: Sequence) -> None:
