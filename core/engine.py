@@ -440,13 +440,20 @@ class Engine:
             if self._lane is not None:  # the running list is the lane plus the few outside it
                 return self._lane.tokens() + sum(s.num_computed_tokens for s in self._lane.outside)
             return sum(s.num_computed_tokens for s in self.scheduler.running)
+        # A block is full if any holder has computed past it; only each sequence's last block can be
+        # partly filled. So: a C-level set union of the full prefixes, plus the partial tails not in it.
         bs = self.config.block_size
-        fill: dict[int, int] = {}
+        full: set[int] = set()
+        partial: dict[int, int] = {}
         for seq in self.scheduler.running:
             n = seq.num_computed_tokens
-            for i, block_id in enumerate(seq.block_table.blocks):
-                fill[block_id] = max(fill.get(block_id, 0), min(bs, max(0, n - i * bs)))
-        return sum(fill.values())
+            blocks = seq.block_table.blocks
+            k, rest = divmod(n, bs)
+            if k:
+                full.update(blocks[:k])
+            if rest and k < len(blocks) and partial.get(blocks[k], 0) < rest:
+                partial[blocks[k]] = rest
+        return bs * len(full) + sum(f for block_id, f in partial.items() if block_id not in full)
 
     def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
         completions = []

@@ -81,6 +81,12 @@ class EngineMachine(RuleBasedStateMachine):
             assert {s.seq_id for s in engine.scheduler.swapped} == set(swap.cpu_blocks)
         for seq in engine.scheduler.swapped:
             assert seq.status is SequenceStatus.SWAPPED and seq not in engine.scheduler.running
+        fill: dict[int, int] = {}  # tokens held, the slow way: every block of every running table
+        for seq in engine.scheduler.running:
+            for i, block_id in enumerate(seq.block_table):
+                held = min(BLOCK, max(0, seq.num_computed_tokens - i * BLOCK))
+                fill[block_id] = max(fill.get(block_id, 0), held)
+        assert engine._tokens_held() == sum(fill.values())
 
     def teardown(self):
         engine = getattr(self, "engine", None)
