@@ -48,7 +48,13 @@ class PrefixCache:
     def pagedkv_on_block_full(self, seq: Any, logical_index: int, block_id: int) -> None:
         if block_id in self.block_info:
             return
-        *_, (key, chunk) = self._chunks(seq, logical_index + 1)
+        parent = self.block_info.get(seq.block_table[logical_index - 1]) if logical_index else None
+        if parent is not None or not logical_index:  # chain from the block before: O(1), not O(length)
+            bs = self.block_size
+            chunk = tuple(seq.token_slice(logical_index * bs, (logical_index + 1) * bs))
+            key = hash((parent[0] if parent is not None else hash(("pagedkv", seq.cache_salt)), chunk))
+        else:  # the block before was not registered (an equal block already was): hash the whole prefix
+            *_, (key, chunk) = self._chunks(seq, logical_index + 1)
         if key not in self.by_key:
             self.by_key[key] = block_id
             self.block_info[block_id] = (key, chunk)

@@ -34,12 +34,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.active: list[str] = []
 
     @rule(prefix=st.integers(-1, len(PREFIXES) - 1), tail=st.lists(st.integers(1, 999), min_size=1, max_size=30),
-          n=st.integers(1, 3), max_tokens=st.integers(1, 25))
-    def add(self, prefix, tail, n, max_tokens):
+          n=st.integers(1, 3), max_tokens=st.integers(1, 25), salt=st.sampled_from([None, None, "tenant"]))
+    def add(self, prefix, tail, n, max_tokens, salt):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + tail
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0 if n > 1 else 0.0, seed=1,
                                 ignore_eos=True)
-        self.active.append(self.engine.add_request(prompt, params))
+        self.active.append(self.engine.add_request(prompt, params, cache_salt=salt))
 
     @precondition(lambda self: self.engine.has_unfinished())
     @rule(times=st.integers(1, 4))
@@ -73,6 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
                 info = cache.block_info.get(block_id)
                 if info is not None and (i + 1) * BLOCK <= seq.num_computed_tokens:
                     assert info[1] == tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+                    assert info[0] == list(cache._chunks(seq, i + 1))[-1][0], "key is not the prefix's hash chain"
         swap = engine.pm.get_plugin("cpu_swap.instance")  # None when the machine drew no swap space
         if swap is not None and swap.cpu_pool is not None:
             swap.cpu_pool.check()
