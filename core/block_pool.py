@@ -26,6 +26,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.free_queue: deque[int] = deque(range(num_blocks))
         self.kept: set[int] = set()
+        self.shared_refs = 0  # references beyond each block's first, summed: 0 when nothing is shared
         self.hooks = hooks
         self.events = events or EventLog()
 
@@ -74,6 +75,8 @@ class BlockPool:
             if block_id not in self.kept:
                 raise ValueError(f"block {block_id} is free; it cannot be shared")
             self.kept.discard(block_id)
+        else:
+            self.shared_refs += 1
         self.ref_counts[block_id] += 1
         self.events.emit("block_share", block=block_id, refs=self.ref_counts[block_id], owner=owner)
 
@@ -83,6 +86,7 @@ class BlockPool:
             raise ValueError(f"block {block_id} is already free (double free)")
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] > 0:
+            self.shared_refs -= 1
             self.events.emit("block_unshare", block=block_id, refs=self.ref_counts[block_id], owner=owner)
             return
         if self.hooks is not None and self.hooks.pagedkv_on_block_released(block_id=block_id, pool=self):
@@ -104,7 +108,9 @@ class BlockPool:
             if left < 0:
                 raise ValueError(f"block {block_id} is already free (double free)")
             refs[block_id] = left
-            if not left:
+            if left:
+                self.shared_refs -= 1
+            else:
                 free(block_id)
 
     def release_kept(self, block_id: int) -> None:
@@ -115,6 +121,7 @@ class BlockPool:
 
     def check(self) -> None:
         """Assert the pool's invariants (used by tests and debug runs)."""
+        assert self.shared_refs == sum(refs - 1 for refs in self.ref_counts if refs > 1), "shared_refs is off"
         free = set(self.free_queue)
         assert len(free) == len(self.free_queue), "a block is in the free queue twice"
         assert not free & self.kept, "a block is both free and kept"

@@ -5,9 +5,10 @@ ends only by length, so a running sequence whose prompt is computed has a known
 future: one more computed token and one more output token per step, a new block
 each time its table fills, and a known last step. The lane holds such sequences
 with the clock value they joined at; the scheduler and engine touch one only on
-the step it crosses a block boundary or finishes. A step's work then grows with
-those events rather than with the running batch, which is what makes 100k
-requests cheap to plan.
+the step it crosses a block boundary or finishes (and, when a plugin such as the
+prefix cache listens for full blocks, the step its block fills). A step's work
+then grows with those events rather than with the running batch, which is what
+makes 100k requests cheap to plan.
 
 While a sequence is in the lane its ``num_computed_tokens`` and
 ``output_token_ids`` are stale; it is brought up to date (materialized) when it
@@ -41,7 +42,7 @@ class _Member:
 class DecodeLane:
     """Sequences that get exactly one token per step until a known step; see the module docstring."""
 
-    def __init__(self, block_size: int, token: int = 0) -> None:
+    def __init__(self, block_size: int, token: int = 0, report_fills: bool = False) -> None:
         self.block_size = block_size
         self.token = token  # the token every step samples (the simulated runner's only logit)
         self.clock = 0  # lane steps taken
@@ -51,6 +52,8 @@ class DecodeLane:
         self._offset = 0  # sum over members of (computed at join - clock at join)
         self._crossings: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members needing a block then
         self._finishes: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members finishing then
+        # lane step -> members whose last block becomes full then (for ``pagedkv_on_block_full`` plugins)
+        self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
         self._serials = itertools.count()
 
     def __len__(self) -> int:
@@ -73,6 +76,14 @@ class DecodeLane:
         self.newest = max(self.newest, seq.run_order)
         self._finishes.setdefault(member.last_step, []).append((seq, member.serial))
         self._plan_crossing(seq, member, member.computed)
+        if self._fills is not None:
+            self._plan_fill(seq, member, member.computed)
+
+    def _plan_fill(self, seq: Sequence, member: _Member, computed: int) -> None:
+        """Book the step after which the block that token ``computed`` goes into is full."""
+        step = self.clock + self.block_size - computed % self.block_size
+        if step <= member.last_step:
+            self._fills.setdefault(step, []).append((seq, member.serial))
 
     def _plan_crossing(self, seq: Sequence, member: _Member, computed: int) -> None:
         """Book the step at which ``seq`` (holding ``computed`` tokens now) next needs a block."""
@@ -107,17 +118,39 @@ class DecodeLane:
             computed_after = member.computed + step - member.joined  # tokens held after the coming step
             self._plan_crossing(seq, member, computed_after - 1)
 
-    def advance(self) -> list[Sequence]:
-        """One step passed: every member decoded one token. Returns (materialized) those that finish now."""
+    def advance(self) -> tuple[list[Sequence], list[Sequence]]:
+        """One step passed: every member decoded one token.
+
+        Returns, in running order, the members that finish now (materialized, out of the lane) and
+        those whose last block became full now (brought up to date; some may be finishing too).
+        """
         self.clock += 1
+        filled: list[Sequence] = []
+        if self._fills is not None:
+            entries = self._fills.pop(self.clock, None)
+            if entries:
+                filled = self._live(entries)
+                filled.sort(key=_run_order)
         entries = self._finishes.pop(self.clock, None)
-        if not entries:
-            return []
-        done = self._live(entries)
+        done = self._live(entries) if entries else []
         done.sort(key=_run_order)
         for seq in done:
             self._leave(seq)
-        return done
+        for seq in filled:
+            member = self.members.get(seq)
+            if member is not None:  # (a finishing one was brought up to date by leaving)
+                self._sync(seq, member)
+                self._plan_fill(seq, member, member.computed)
+        return done, filled
+
+    def _sync(self, seq: Sequence, member: _Member) -> None:
+        """Bring a member's counters and tokens up to date; it stays in the lane."""
+        steps = self.clock - member.joined
+        if steps:
+            member.computed += steps
+            member.joined = self.clock  # (computed - joined) is unchanged, and so is the offset
+            seq.num_computed_tokens = member.computed
+            seq.output_token_ids.extend(itertools.repeat(self.token, steps))
 
     def discard(self, seq: Sequence) -> None:
         """A running sequence stops running (finished, aborted or preempted): materialize it if needed."""
@@ -133,6 +166,8 @@ class DecodeLane:
             self.outside[seq] = None
         self._crossings.clear()
         self._finishes.clear()
+        if self._fills is not None:
+            self._fills.clear()
         self.newest = -1
 
     def _leave(self, seq: Sequence) -> None:

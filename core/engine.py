@@ -109,12 +109,16 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self._sharing = alloc_hooks is not None
         self._lane = None
+        # The lane needs every shared block to be full (no forks, no copy-on-write), no swap decisions, and
+        # no listener for per-sequence events; prefix caching is fine (it sees allocations and full blocks).
         if simulate is not None and decode_lane and not (
-            alloc_hooks or sched_hooks or pool_hooks or self.events.enabled or self._block_full_hook or self._fork_hook
+            sched_hooks or self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
         ) and getattr(self.scheduler, "lane", False) is None and isinstance(self.allocator, PagedAllocator):
             from pagedkv.core.decode_lane import DecodeLane
 
-            self._lane = self.scheduler.lane = DecodeLane(config.block_size, token=SimulatedRunner.TOKEN)
+            self._lane = self.scheduler.lane = DecodeLane(
+                config.block_size, token=SimulatedRunner.TOKEN, report_fills=bool(self._block_full_hook)
+            )
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
@@ -305,8 +309,15 @@ class Engine:
         rows: list[int] = []  # logits row of each sampling sequence
         row = 0
         report_full = bool(self._block_full_hook)  # once per step: this loop is the simulator's hot path
+        ended: list[Sequence] = []
+        filled: list[Sequence] = []  # lane members whose block filled: reported in running order among the rest
+        if out.lane_decodes:
+            ended, filled = self._lane.advance()  # finishing members come back with their tokens in place
+            self.stats.generated_tokens += out.lane_decodes
         for item in out.scheduled:
             seq = item.seq
+            while filled and filled[0].run_order < seq.run_order:
+                self._report_lane_fill(filled.pop(0))
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + item.num_new_tokens
             prompt_len = len(seq.prompt_token_ids)
@@ -323,6 +334,8 @@ class Engine:
                     sampling.append(seq)
                     rows.append(row)
                 row += 1
+        for seq in filled:
+            self._report_lane_fill(seq)
         tokens: list[int] = []
         if sampling:
             if len(rows) != logits.shape[0]:
@@ -333,13 +346,10 @@ class Engine:
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
             self.stats.generated_tokens += 1
-        if out.lane_decodes:
-            self.stats.generated_tokens += out.lane_decodes
-            ended = self._lane.advance()  # lane members finishing now, with their tokens in place
-            if ended:  # finish in running order, as one-by-one stepping does (freed block ids depend on it)
-                merged = sorted([*zip(sampling, tokens), *((s, self._lane.token) for s in ended)],
-                                key=lambda pair: pair[0].run_order)
-                sampling, tokens = [p[0] for p in merged], [p[1] for p in merged]
+        if ended:  # finish in running order, as one-by-one stepping does (freed block ids depend on it)
+            merged = sorted([*zip(sampling, tokens), *((s, self._lane.token) for s in ended)],
+                            key=lambda pair: pair[0].run_order)
+            sampling, tokens = [p[0] for p in merged], [p[1] for p in merged]
         for seq, token in zip(sampling, tokens):
             self._check_finish(seq, token)
             touched[seq.request_id] = None
@@ -378,6 +388,11 @@ class Engine:
         parent.pending_forks = 0
         self.events.emit("request_fork", request=parent.request_id, children=len(children))
         return children
+
+    def _report_lane_fill(self, seq: Sequence) -> None:
+        """A lane member's last block just became full (its counters were brought up to date)."""
+        logical = seq.num_computed_tokens // self.config.block_size - 1
+        self._block_full_hook(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
 
     def _report_full_blocks(self, seq: Sequence, before: int) -> None:
         bs = self.config.block_size
@@ -437,9 +452,9 @@ class Engine:
     def _tokens_held(self) -> int:
         """Computed tokens in used blocks, counting a shared block once."""
         if not self._sharing:  # nothing is shared: a cheap sum will do
-            if self._lane is not None:  # the running list is the lane plus the few outside it
-                return self._lane.tokens() + sum(s.num_computed_tokens for s in self._lane.outside)
-            return sum(s.num_computed_tokens for s in self.scheduler.running)
+            return self._computed_running()
+        if self._lane is not None:  # sharing without forks: every shared block is full for all its holders
+            return self._computed_running() - self.config.block_size * self.pool.shared_refs
         # A block is full if any holder has computed past it; only each sequence's last block can be
         # partly filled. So: a C-level set union of the full prefixes, plus the partial tails not in it.
         bs = self.config.block_size
@@ -454,6 +469,12 @@ class Engine:
             if rest and k < len(blocks) and partial.get(blocks[k], 0) < rest:
                 partial[blocks[k]] = rest
         return bs * len(full) + sum(f for block_id, f in partial.items() if block_id not in full)
+
+    def _computed_running(self) -> int:
+        """Computed tokens over the running sequences (each counted in full)."""
+        if self._lane is not None:  # the running list is the lane plus the few outside it
+            return self._lane.tokens() + sum(s.num_computed_tokens for s in self._lane.outside)
+        return sum(s.num_computed_tokens for s in self.scheduler.running)
 
     def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
         completions = []

@@ -218,12 +218,22 @@ class FCFSScheduler:
         if needed > allocator.pool.num_available:
             return None
         out.lane_decodes, out.lane_context = members, lane.tokens()
-        # One slice of the free queue, dealt out in running order: the ids the one-by-one loop would give.
-        blocks = iter(allocator.pool.allocate_many(needed))
-        for seq in sorted(due + outside[: len(grants)], key=_run_order) if grants else due:
-            count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
-            if count:
-                seq.block_table.blocks.extend(itertools.islice(blocks, count))
+        order = sorted(due + outside[: len(grants)], key=_run_order) if grants else due
+        if allocator.hooks is None:
+            # One slice of the free queue, dealt out in running order: the ids the one-by-one loop would give.
+            blocks = iter(allocator.pool.allocate_many(needed))
+            for seq in order:
+                count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
+                if count:
+                    seq.block_table.blocks.extend(itertools.islice(blocks, count))
+        else:  # plugins see each allocation as the one-by-one loop makes it (reclaiming cached blocks, ...)
+            granted = dict(zip(outside, grants))
+            for seq in order:
+                num_new = granted.get(seq)
+                if num_new is None:
+                    seq.block_table.append(allocator.pool.allocate(seq.request_id))
+                elif not allocator.allocate_slots(seq, num_new):
+                    raise RuntimeError("blocks counted as available could not be allocated; this is a bug in pagedkv")
         for seq, num_new in zip(outside, grants):
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
         lane.take_crossings(due)

@@ -72,6 +72,12 @@ CASES = {
     "static baseline": ("sharegpt", 150, None,
                         SimSetup(num_blocks=20000, max_num_seqs=256, allocator="static", max_model_len=4096)),
     "n > 1 without forking": ("alpaca", 200, None, SimSetup(num_blocks=400, max_num_seqs=48, block_size=8)),
+    "prefix caching, evicting": ("shared-prefix", 300, None,
+                                 SimSetup(num_blocks=900, max_num_seqs=128, enable_prefix_caching=True,
+                                          max_num_batched_tokens=700)),
+    "prefix caching, block size 4, preempting": ("sharegpt", 150, 30.0,
+                                                 SimSetup(num_blocks=1000, max_num_seqs=128, block_size=4,
+                                                          enable_prefix_caching=True)),
 }
 
 
@@ -116,13 +122,16 @@ def test_lane_carries_most_decodes_and_cases_cover_preemption(case, monkeypatch)
         assert result["preemptions"] > 50
 
 
-def test_lane_is_on_only_where_nothing_needs_every_sequence():
+def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
     config = EngineConfig(device="cpu", num_blocks=64, block_size=4)
     assert Engine(config, simulate=SIM_MODEL)._lane is not None
     assert Engine(config, simulate=SIM_MODEL, decode_lane=False)._lane is None
-    assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is None
-    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is None
     assert Engine(replace(config, allocator="static"), simulate=SIM_MODEL)._lane is not None
+    assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is not None
+    # forks share partly filled blocks, swap decides per sequence, telemetry records every sequence each step
+    assert Engine(replace(config, enable_copy_on_write=True), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, trace=str(tmp_path / "t.ndjson")), simulate=SIM_MODEL)._lane is None
 
 
 def test_lane_member_materializes_when_aborted_or_streamed():
@@ -164,18 +173,23 @@ def test_blocks_go_out_in_running_order_around_an_older_sequence_outside_the_lan
 
 
 class TwinMachine(RuleBasedStateMachine):
+    prefix_caching = False
+
     @initialize(num_blocks=st.integers(10, 48), block_size=st.sampled_from([1, 2, 4]),
                 max_num_seqs=st.integers(1, 8), budget=st.integers(1, 40), static=st.booleans())
     def build(self, num_blocks, block_size, max_num_seqs, budget, static):
         config = EngineConfig(device="cpu", block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=budget, allocator="static" if static else "paged",
-                              max_model_len=min(num_blocks * block_size, 60))
+                              max_model_len=min(num_blocks * block_size, 60),
+                              enable_prefix_caching=self.prefix_caching)
         self.engines = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
         self.active: list[str] = []
 
-    @rule(prompt=st.lists(st.integers(1, 999), min_size=1, max_size=30), n=st.integers(1, 2),
-          max_tokens=st.integers(1, 30), stop=st.sampled_from([(), (), (), (0,), (7,)]))
-    def add(self, prompt, n, max_tokens, stop):
+    @rule(prefix=st.sampled_from([(), (5,) * 8, (6, 7) * 5]), tail=st.lists(st.integers(1, 999), min_size=1,
+          max_size=25), n=st.integers(1, 2), max_tokens=st.integers(1, 30),
+          stop=st.sampled_from([(), (), (), (0,), (7,)]))
+    def add(self, prefix, tail, n, max_tokens, stop):
+        prompt = [*prefix, *tail]  # shared prefixes give the prefix cache something to hit
         # a stop id keeps a sequence out of the lane: (0,) ends it at its first token, (7,) never fires,
         # so it stays outside, stepped one by one among lane members
         params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop))
@@ -221,6 +235,8 @@ class TwinMachine(RuleBasedStateMachine):
             s.block_table.blocks for s in laned.scheduler.running
         ]
         assert vars(plain.stats) == vars(laned.stats)
+        assert plain.pool.kept == laned.pool.kept and plain.plugin_stats() == laned.plugin_stats()
+        assert plain._tokens_held() == laned._tokens_held()
         lane = laned._lane
         assert not set(lane.members) & set(lane.outside)
         assert set(lane.members) | set(lane.outside) == set(laned.scheduler.running)
@@ -238,14 +254,21 @@ class TwinMachine(RuleBasedStateMachine):
         for engine in engines:
             assert not engine.has_unfinished()
             engine.check_invariants()
-            assert engine.pool.num_free == engine.num_blocks
+            assert engine.pool.num_free + len(engine.pool.kept) == engine.num_blocks
 
 
-TwinMachine.TestCase.settings = settings(
+class PrefixCachingTwinMachine(TwinMachine):
+    prefix_caching = True  # the lane then reports full blocks and allocates through the plugin's hooks
+
+
+TWIN_SETTINGS = settings(
     max_examples=int(os.environ.get("PAGEDKV_STATE_EXAMPLES", "40")),
     stateful_step_count=150,
     derandomize=True,
     deadline=None,
     database=None,
 )
+TwinMachine.TestCase.settings = TWIN_SETTINGS
+PrefixCachingTwinMachine.TestCase.settings = TWIN_SETTINGS
 test_lane_and_one_by_one_engines_stay_identical = TwinMachine.TestCase
+test_with_prefix_caching_lane_and_one_by_one_engines_stay_identical = PrefixCachingTwinMachine.TestCase
