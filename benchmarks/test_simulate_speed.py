@@ -7,8 +7,9 @@ Run: ``python -m pytest benchmarks/test_simulate_speed.py --benchmark-only -s``.
   runs and the report: what ``engine simulate --num-requests 100000`` does).
   ``PAGEDKV_SIM_BENCH_REQUESTS`` changes the size.
 - ``test_lane_speedup``: the baseline measured in the same session, the same smaller workload
-  stepped one sequence at a time (``decode_lane=False``) and with the decode lane; the ratio is
-  the speed-up, and the figures of both runs must be identical.
+  stepped one sequence at a time (``decode_lane=False``) and with the decode lane, plain and with
+  prefix caching on a shared-system-prompt workload; the ratio is the speed-up, and the figures of
+  both runs must be identical.
 """
 
 from __future__ import annotations
@@ -66,13 +67,15 @@ def test_sharegpt_100k(benchmark, workload, what):
     assert r["finished"] == N
 
 
-def test_lane_speedup(benchmark):
-    wl = builtin_workload("sharegpt", BASELINE_N, seed=1)
+@pytest.mark.parametrize("case", ["sharegpt", "shared-prefix + prefix caching"])
+def test_lane_speedup(benchmark, case):
+    wl = builtin_workload(case.split()[0], BASELINE_N, seed=1)
+    setup = replace(SETUP, enable_prefix_caching=case.endswith("caching"))
     runs = {}
 
     def both():
         for lane in (False, True):
-            runs[lane] = run_once(wl, replace(SETUP, decode_lane=lane), series=False)
+            runs[lane] = run_once(wl, replace(setup, decode_lane=lane), series=False)
 
     benchmark.pedantic(both, rounds=1, iterations=1)
     stepped, laned = runs[False], runs[True]
@@ -83,7 +86,7 @@ def test_lane_speedup(benchmark):
         speedup=round(ratio, 2), load=_load(),
     )
     print(
-        f"\nsimulate sharegpt x{BASELINE_N}: one by one {stepped['wall_s']:.2f} s "
+        f"\nsimulate {case} x{BASELINE_N}: one by one {stepped['wall_s']:.2f} s "
         f"({stepped['wall_s'] / tokens * 1e6:.2f} us/token), decode lane {laned['wall_s']:.2f} s "
         f"({laned['wall_s'] / tokens * 1e6:.2f} us/token): {ratio:.1f}x ({_load()})"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +22,8 @@ from pagedkv.core.step_time_model import StepTimeModel
 from pagedkv.core.workload import Workload, synth_prompt
 
 # --- one simulated run -------------------------------------------------------------------------------------------
+
+PROGRESS_EVERY = 512  # steps between progress reports
 
 
 @dataclass
@@ -87,8 +90,12 @@ def run_once(
     *,
     plugins: tuple[Any, ...] = (),
     series: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Run the workload once through ``Engine(simulate=...)``; returns the run's figures."""
+    """Run the workload once through ``Engine(simulate=...)``; returns the run's figures.
+
+    ``progress(finished, total)`` is called every few hundred steps and once at the end.
+    """
     import time
 
     from pagedkv.core.engine import Engine
@@ -179,6 +186,10 @@ def run_once(
         if series:
             t_used.append(now)
             used_series.append(used)
+        if progress is not None and not step % PROGRESS_EVERY:
+            progress(len(finished), n)
+    if progress is not None:
+        progress(len(finished), n)
     wall = time.perf_counter() - started
     if setup.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
@@ -232,6 +243,10 @@ def run_once(
     if series:
         result["series"] = {"t": t_used, "blocks_used": used_series}
     return result
+
+
+def _labelled(progress: Callable[[str, int, int], None] | None, label: str) -> Callable[[int, int], None] | None:
+    return None if progress is None else (lambda done, total: progress(label, done, total))
 
 
 def default_step_time(setup: SimSetup, engine: Any = None) -> StepTimeModel:
@@ -307,7 +322,12 @@ def _row(result: dict) -> dict:
 
 
 def run_sweep(
-    workload: Workload, setup: SimSetup, step_time: StepTimeModel | None, key: str, values: list[int]
+    workload: Workload,
+    setup: SimSetup,
+    step_time: StepTimeModel | None,
+    key: str,
+    values: list[int],
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
     """The paged allocator at each value; a block-size sweep keeps the KV bytes fixed."""
     base_bytes = setup.num_blocks * bytes_per_block(setup) if setup.num_blocks is not None else None
@@ -321,7 +341,8 @@ def run_sweep(
             s = replace(setup, num_blocks=value, kv_cache_memory=None, trace=None, allocator="paged")
         else:
             s = replace(setup, **{key: value}, trace=None, allocator="paged")
-        rows.append({key: value, **_row(run_once(workload, s, step_time, series=False))})
+        report = _labelled(progress, f"{key}={value}")
+        rows.append({key: value, **_row(run_once(workload, s, step_time, series=False, progress=report))})
     return {"key": key, "rows": rows}
 
 
@@ -332,13 +353,16 @@ def simulate(
     *,
     compare_static: bool = True,
     sweeps: list[tuple[str, list[int]]] = (),
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
     """Paged run (with ``setup.trace``), the static baseline, and any sweeps, as one dict."""
     from pagedkv.core.workload import describe
 
-    paged = run_once(workload, replace(setup, allocator="paged"), step_time)
+    paged = run_once(workload, replace(setup, allocator="paged"), step_time, progress=_labelled(progress, "paged"))
     report: dict[str, Any] = {"workload": describe(workload), "paged": paged}
     if compare_static:
-        report["static"] = run_once(workload, replace(setup, allocator="static", trace=None), step_time)
-    report["sweeps"] = [run_sweep(workload, setup, step_time, key, values) for key, values in sweeps]
+        report["static"] = run_once(
+            workload, replace(setup, allocator="static", trace=None), step_time, progress=_labelled(progress, "static")
+        )
+    report["sweeps"] = [run_sweep(workload, setup, step_time, key, values, progress) for key, values in sweeps]
     return report

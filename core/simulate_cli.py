@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pagedkv.core.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
@@ -75,6 +78,27 @@ def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
     return setup, budget
 
 
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A transient progress bar on stderr per simulated run (finished requests of all); None when not a terminal."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("simulating {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def report(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        yield report
+
+
 def run_cli(args: Any) -> int:
     from pagedkv.core.step_time_model import calibrate_from_trace
     from pagedkv.core.workload import load_workload
@@ -87,7 +111,9 @@ def run_cli(args: Any) -> int:
     workload = load_workload(
         args.workload, num_requests=args.num_requests, seed=args.seed, request_rate=args.request_rate
     )
-    report = simulate(workload, setup, step_time, compare_static=not args.no_static, sweeps=sweeps)
+    with progress_bar(enabled=sys.stderr.isatty()) as progress:
+        report = simulate(workload, setup, step_time, compare_static=not args.no_static, sweeps=sweeps,
+                          progress=progress)
     report["budget"] = budget
     if args.plot:
         report["plot"] = plot_blocks(args.plot, report)

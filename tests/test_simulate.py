@@ -230,3 +230,13 @@ def test_cli_json_plot_and_trace_for_the_monitor(tmp_path, capsys):
     # calibration reads a recorded trace's step times
     model = calibrate_from_trace(str(trace))
     assert all(v >= 0 and math.isfinite(v) for v in (model.fixed, model.prefill_per_token, model.decode_per_seq))
+
+
+def test_progress_counts_finished_requests_for_each_run_up_to_the_total():
+    calls: list[tuple[str, int, int]] = []
+    wl = builtin_workload("alpaca", 300, seed=0)
+    simulate(wl, SimSetup(num_blocks=2000, max_num_seqs=16), progress=lambda *a: calls.append(a),
+             sweeps=[("block_size", [8])])
+    for label in ("paged", "static", "block_size=8"):
+        done = [d for name, d, total in calls if name == label and total == 300]
+        assert len(done) >= 2 and done == sorted(done) and done[-1] == 300, label
