@@ -507,10 +507,10 @@ class Engine:
         """
         self.pool.check()
         sched = self.scheduler
-        if self._lane is not None:
+        if self._lane is not None:  # the lane merges by run_order: the running list must be sorted by it
             self._lane.flush()
             assert set(self._lane.outside) == set(sched.running), "the decode lane lost track of a running sequence"
-        assert [s.run_order for s in sched.running] == sorted(s.run_order for s in sched.running)
+            assert [s.run_order for s in sched.running] == sorted(s.run_order for s in sched.running)
         bs = self.config.block_size
         queues = [(sched.running, SequenceStatus.RUNNING), (sched.waiting, SequenceStatus.WAITING),
                   (sched.swapped, SequenceStatus.SWAPPED)]
