@@ -118,11 +118,14 @@ class DecodeLane:
             computed_after = member.computed + step - member.joined  # tokens held after the coming step
             self._plan_crossing(seq, member, computed_after - 1)
 
-    def advance(self) -> tuple[list[Sequence], list[Sequence]]:
+    def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """One step passed: every member decoded one token.
 
-        Returns, in running order, the members that finish now (materialized, out of the lane) and
-        those whose last block became full now (brought up to date; some may be finishing too).
+        Returns three lists in running order: the members that finish now (out of the lane), those
+        whose last block became full now (some may be finishing too), and the union of the two,
+        which are "owed" this step's sampled token. Those are brought up to date as one-by-one
+        stepping has them between its computing and its sampling: counters after the step, output
+        tokens before it; the engine appends the owed token where it appends sampled ones.
         """
         self.clock += 1
         filled: list[Sequence] = []
@@ -135,22 +138,23 @@ class DecodeLane:
         done = self._live(entries) if entries else []
         done.sort(key=_run_order)
         for seq in done:
-            self._leave(seq)
+            self._leave(seq, owe_last=True)
+        owed = list(done)
         for seq in filled:
             member = self.members.get(seq)
             if member is not None:  # (a finishing one was brought up to date by leaving)
                 self._sync(seq, member)
                 self._plan_fill(seq, member, member.computed)
-        return done, filled
+                owed.append(seq)
+        return done, filled, owed
 
     def _sync(self, seq: Sequence, member: _Member) -> None:
-        """Bring a member's counters and tokens up to date; it stays in the lane."""
+        """Bring a member's counters up to date and its tokens up to the last step's; it stays in the lane."""
         steps = self.clock - member.joined
-        if steps:
-            member.computed += steps
-            member.joined = self.clock  # (computed - joined) is unchanged, and so is the offset
-            seq.num_computed_tokens = member.computed
-            seq.output_token_ids.extend(itertools.repeat(self.token, steps))
+        member.computed += steps
+        member.joined = self.clock  # (computed - joined) is unchanged, and so is the offset
+        seq.num_computed_tokens = member.computed
+        seq.output_token_ids.extend(itertools.repeat(self.token, steps - 1))  # this step's token is owed
 
     def discard(self, seq: Sequence) -> None:
         """A running sequence stops running (finished, aborted or preempted): materialize it if needed."""
@@ -170,9 +174,9 @@ class DecodeLane:
             self._fills.clear()
         self.newest = -1
 
-    def _leave(self, seq: Sequence) -> None:
+    def _leave(self, seq: Sequence, owe_last: bool = False) -> None:
         member = self.members.pop(seq)
         steps = self.clock - member.joined
         self._offset -= member.computed - member.joined
         seq.num_computed_tokens = member.computed + steps
-        seq.output_token_ids.extend(itertools.repeat(self.token, steps))
+        seq.output_token_ids.extend(itertools.repeat(self.token, steps - owe_last))

@@ -113,7 +113,7 @@ class Engine:
         # no listener for per-sequence events; prefix caching is fine (it sees allocations and full blocks).
         if simulate is not None and decode_lane and not (
             sched_hooks or self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
-        ) and getattr(self.scheduler, "lane", False) is None and isinstance(self.allocator, PagedAllocator):
+        ) and _lane_safe(self.scheduler, self.allocator):
             from pagedkv.core.decode_lane import DecodeLane
 
             self._lane = self.scheduler.lane = DecodeLane(
@@ -311,9 +311,9 @@ class Engine:
         report_full = bool(self._block_full_hook)  # once per step: this loop is the simulator's hot path
         ended: list[Sequence] = []
         filled: list[Sequence] = []  # lane members whose block filled: reported in running order among the rest
+        owed: list[Sequence] = []  # lane members brought up to date but for this step's token
         if out.lane_decodes:
-            ended, filled = self._lane.advance()  # finishing members come back with their tokens in place
-            self.stats.generated_tokens += out.lane_decodes
+            ended, filled, owed = self._lane.advance()
         for item in out.scheduled:
             seq = item.seq
             while filled and filled[0].run_order < seq.run_order:
@@ -346,6 +346,10 @@ class Engine:
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
             self.stats.generated_tokens += 1
+        if out.lane_decodes:
+            self.stats.generated_tokens += out.lane_decodes
+            for seq in owed:
+                seq.output_token_ids.append(self._lane.token)
         if ended:  # finish in running order, as one-by-one stepping does (freed block ids depend on it)
             merged = sorted([*zip(sampling, tokens), *((s, self._lane.token) for s in ended)],
                             key=lambda pair: pair[0].run_order)
@@ -443,7 +447,9 @@ class Engine:
                 self._step_observers(events=events)
 
     def plugin_stats(self) -> dict[str, Any]:
-        """Every plugin's counters (``pagedkv_report_stats``), merged."""
+        """Every plugin's counters (``pagedkv_report_stats``), merged (a plugin may read the sequences: exact)."""
+        if self._lane is not None:
+            self._lane.flush()
         merged: dict[str, Any] = {}
         for answer in Observers(self.pm, "pagedkv_report_stats")():
             merged.update(answer)
@@ -530,6 +536,22 @@ class Engine:
                     holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, refs in enumerate(self.pool.ref_counts):
             assert refs == holders.get(block_id, 0), f"block {block_id}: ref {refs}, held {holders.get(block_id)}"
+
+
+def _lane_safe(scheduler: Any, allocator: Any) -> bool:
+    """The lane reproduces FCFS's running loop and the built-in allocators' block growth: not a subclass's own."""
+    from pagedkv.core.allocator import StaticAllocator
+    from pagedkv.core.scheduler import FCFSScheduler
+
+    if type(allocator) not in (PagedAllocator, StaticAllocator) or not isinstance(scheduler, FCFSScheduler):
+        return False
+    return all(getattr(type(scheduler), name) is getattr(FCFSScheduler, name) for name in _LANE_SCHEDULER_METHODS)
+
+
+_LANE_SCHEDULER_METHODS = (
+    "schedule", "_schedule_with_lane", "_finish_schedule", "_admit_waiting", "_swap_in", "_preempt", "_allocate",
+    "finish", "fail", "add_running", "_start_running", "_remove_running",
+)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
