@@ -46,6 +46,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="blocks in use over time, paged vs static")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the paged run for `engine monitor --replay`")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    p.add_argument("--no-decode-lane", action="store_true",
+                   help="step every sequence one by one (same results, slower; for plugins that read other sequences)")
 
 
 def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
@@ -58,6 +60,7 @@ def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
         model_config=cfg, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, dtype=args.dtype,
         enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space, trace=args.trace,
+        decode_lane=not args.no_decode_lane,
     )
     dtype_bytes(args.dtype)
     if args.gpu_memory is not None:

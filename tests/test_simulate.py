@@ -240,3 +240,18 @@ def test_progress_counts_finished_requests_for_each_run_up_to_the_total():
     for label in ("paged", "static", "block_size=8"):
         done = [d for name, d, total in calls if name == label and total == 300]
         assert len(done) >= 2 and done == sorted(done) and done[-1] == 300, label
+
+
+def test_cli_no_decode_lane_reports_the_same_figures(capsys):
+    from pagedkv.core.cli import main
+
+    reports = []
+    for extra in ([], ["--no-decode-lane"]):
+        assert main(["simulate", "--workload", "sharegpt", "--num-requests", "60", "--num-blocks", "400",
+                     "--max-num-seqs", "32", "--enable-prefix-caching", "--json", *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        for run in ("paged", "static"):
+            report[run].pop("wall_s")
+        reports.append(report)
+    assert reports[0]["paged"]["finished"] == 60
+    assert reports[0] == reports[1]
