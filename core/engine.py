@@ -109,10 +109,11 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self._sharing = alloc_hooks is not None
         self._lane = None
-        # The lane needs every shared block to be full (no forks, no copy-on-write), no swap decisions, and
-        # no listener for per-sequence events; prefix caching is fine (it sees allocations and full blocks).
+        # The lane needs every shared block to be full (no forks, no copy-on-write) and no listener for
+        # per-sequence events. Prefix caching is fine (it sees allocations and full blocks), and so is swap:
+        # preemptions only happen on steps the lane has flushed, so its plugin sees exact sequences.
         if simulate is not None and decode_lane and not (
-            sched_hooks or self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
+            self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
         ) and _lane_safe(self.scheduler, self.allocator):
             from pagedkv.core.decode_lane import DecodeLane
 

@@ -78,6 +78,9 @@ CASES = {
     "prefix caching, evicting": ("shared-prefix", 300, None,
                                  SimSetup(num_blocks=900, max_num_seqs=128, enable_prefix_caching=True,
                                           max_num_batched_tokens=700)),
+    "swapping instead of recomputing": ("sharegpt", 300, None,
+                                        SimSetup(num_blocks=700, max_num_seqs=256, max_num_batched_tokens=512,
+                                                 swap_space="200MiB")),
     "prefix caching, block size 4, preempting": ("sharegpt", 150, 30.0,
                                                  SimSetup(num_blocks=1000, max_num_seqs=128, block_size=4,
                                                           enable_prefix_caching=True)),
@@ -131,9 +134,9 @@ def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
     assert Engine(config, simulate=SIM_MODEL, decode_lane=False)._lane is None
     assert Engine(replace(config, allocator="static"), simulate=SIM_MODEL)._lane is not None
     assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is not None
-    # forks share partly filled blocks, swap decides per sequence, telemetry records every sequence each step
+    # forks share partly filled blocks, telemetry records every sequence each step
     assert Engine(replace(config, enable_copy_on_write=True), simulate=SIM_MODEL)._lane is None
-    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is not None  # (preempts flushed)
     assert Engine(replace(config, trace=str(tmp_path / "t.ndjson")), simulate=SIM_MODEL)._lane is None
 
 
@@ -267,6 +270,7 @@ def _plugin_counters(engine) -> dict:
 
 class TwinMachine(RuleBasedStateMachine):
     prefix_caching = False
+    swap_space: int | None = None
 
     @initialize(num_blocks=st.integers(10, 48), block_size=st.sampled_from([1, 2, 4]),
                 max_num_seqs=st.integers(1, 8), budget=st.integers(1, 40), static=st.booleans())
@@ -274,7 +278,7 @@ class TwinMachine(RuleBasedStateMachine):
         config = EngineConfig(device="cpu", block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=budget, allocator="static" if static else "paged",
                               max_model_len=min(num_blocks * block_size, 60),
-                              enable_prefix_caching=self.prefix_caching)
+                              enable_prefix_caching=self.prefix_caching, swap_space=self.swap_space)
         self.engines = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
         self.active: list[str] = []
 
@@ -321,7 +325,7 @@ class TwinMachine(RuleBasedStateMachine):
         plain, laned = self.engines
         assert plain.pool.ref_counts == laned.pool.ref_counts
         assert list(plain.pool.free_queue) == list(laned.pool.free_queue)
-        for queue in ("running", "waiting"):
+        for queue in ("running", "waiting", "swapped"):
             ids = [[s.request_id for s in getattr(e.scheduler, queue)] for e in self.engines]
             assert ids[0] == ids[1], queue
         assert [s.block_table.blocks for s in plain.scheduler.running] == [
@@ -355,6 +359,11 @@ class PrefixCachingTwinMachine(TwinMachine):
     prefix_caching = True  # the lane then reports full blocks and allocates through the plugin's hooks
 
 
+class SwapTwinMachine(TwinMachine):
+    prefix_caching = True
+    swap_space = 24 * 2 * 2 * 4 * 2 * 16 * 4  # ~24 CPU blocks of block size 4 (fewer at larger sizes)
+
+
 TWIN_SETTINGS = settings(
     max_examples=int(os.environ.get("PAGEDKV_STATE_EXAMPLES", "40")),
     stateful_step_count=150,
@@ -364,5 +373,7 @@ TWIN_SETTINGS = settings(
 )
 TwinMachine.TestCase.settings = TWIN_SETTINGS
 PrefixCachingTwinMachine.TestCase.settings = TWIN_SETTINGS
+SwapTwinMachine.TestCase.settings = TWIN_SETTINGS
 test_lane_and_one_by_one_engines_stay_identical = TwinMachine.TestCase
 test_with_prefix_caching_lane_and_one_by_one_engines_stay_identical = PrefixCachingTwinMachine.TestCase
+test_with_swap_and_prefix_caching_lane_and_one_by_one_engines_stay_identical = SwapTwinMachine.TestCase
