@@ -23,10 +23,27 @@ from __future__ import annotations
 
 import itertools
 from operator import attrgetter
+from typing import Any
 
 from pagedkv.core.sequence import Sequence
 
 _run_order = attrgetter("run_order")
+
+# FCFSScheduler's methods the lane works with: a subclass overriding any of them runs without the lane.
+_SCHEDULER_METHODS = (
+    "schedule", "_schedule_with_lane", "_finish_schedule", "_admit_waiting", "_swap_in", "_preempt", "_allocate",
+    "finish", "fail", "add_running", "_start_running", "_remove_running",
+)
+
+
+def lane_reproduces(scheduler: Any, allocator: Any) -> bool:
+    """The lane reproduces FCFS's running loop and the built-in allocators' block growth, not a subclass's own."""
+    from pagedkv.core.allocator import PagedAllocator, StaticAllocator
+    from pagedkv.core.scheduler import FCFSScheduler
+
+    if type(allocator) not in (PagedAllocator, StaticAllocator) or not isinstance(scheduler, FCFSScheduler):
+        return False
+    return all(getattr(type(scheduler), name) is getattr(FCFSScheduler, name) for name in _SCHEDULER_METHODS)
 
 
 class _Member:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.allocator import PagedAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, RequestRejected
@@ -112,11 +111,11 @@ class Engine:
         # The lane needs every shared block to be full (no forks, no copy-on-write) and no listener for
         # per-sequence events. Prefix caching is fine (it sees allocations and full blocks), and so is swap:
         # preemptions only happen on steps the lane has flushed, so its plugin sees exact sequences.
+        from pagedkv.core.decode_lane import DecodeLane, lane_reproduces
+
         if simulate is not None and decode_lane and not (
             self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
-        ) and _lane_safe(self.scheduler, self.allocator):
-            from pagedkv.core.decode_lane import DecodeLane
-
+        ) and lane_reproduces(self.scheduler, self.allocator):
             self._lane = self.scheduler.lane = DecodeLane(
                 config.block_size, token=SimulatedRunner.TOKEN, report_fills=bool(self._block_full_hook)
             )
@@ -537,22 +536,6 @@ class Engine:
                     holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, refs in enumerate(self.pool.ref_counts):
             assert refs == holders.get(block_id, 0), f"block {block_id}: ref {refs}, held {holders.get(block_id)}"
-
-
-def _lane_safe(scheduler: Any, allocator: Any) -> bool:
-    """The lane reproduces FCFS's running loop and the built-in allocators' block growth: not a subclass's own."""
-    from pagedkv.core.allocator import StaticAllocator
-    from pagedkv.core.scheduler import FCFSScheduler
-
-    if type(allocator) not in (PagedAllocator, StaticAllocator) or not isinstance(scheduler, FCFSScheduler):
-        return False
-    return all(getattr(type(scheduler), name) is getattr(FCFSScheduler, name) for name in _LANE_SCHEDULER_METHODS)
-
-
-_LANE_SCHEDULER_METHODS = (
-    "schedule", "_schedule_with_lane", "_finish_schedule", "_admit_waiting", "_swap_in", "_preempt", "_allocate",
-    "finish", "fail", "add_running", "_start_running", "_remove_running",
-)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
