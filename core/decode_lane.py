@@ -80,6 +80,12 @@ class DecodeLane:
         """Computed tokens the members hold now (their context before the next step)."""
         return self._offset + len(self.members) * self.clock
 
+    def counters(self, seq: Sequence) -> tuple[int, int]:
+        """A member's (computed tokens, output tokens) now, without touching it."""
+        member = self.members[seq]
+        steps = self.clock - member.joined
+        return member.computed + steps, len(seq.output_token_ids) + steps
+
     def enter(self, seq: Sequence) -> None:
         """A sequence started running (admitted, swapped in or forked); it waits outside until it decodes."""
         self.outside[seq] = None

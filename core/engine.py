@@ -108,13 +108,15 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self._sharing = alloc_hooks is not None
         self._lane = None
-        # The lane needs every shared block to be full (no forks, no copy-on-write) and no listener for
-        # per-sequence events. Prefix caching is fine (it sees allocations and full blocks), and so is swap:
-        # preemptions only happen on steps the lane has flushed, so its plugin sees exact sequences.
+        # The lane needs every shared block to be full (no forks, no copy-on-write) and step-event listeners
+        # that follow it (telemetry does). Prefix caching is fine (it sees allocations and full blocks), and
+        # so is swap: preemptions only happen on steps the lane has flushed, so its plugin sees exact sequences.
         from pagedkv.core.decode_lane import DecodeLane, lane_reproduces
 
+        listeners = self.pm.hook.pagedkv_on_step_events.get_hookimpls()
         if simulate is not None and decode_lane and not (
-            self.events.enabled or self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
+            self._fork_hook or has_impls(self.pm, "pagedkv_copy_on_write")
+            or not all(getattr(impl.plugin, "follows_decode_lane", False) for impl in listeners)
         ) and lane_reproduces(self.scheduler, self.allocator):
             self._lane = self.scheduler.lane = DecodeLane(
                 config.block_size, token=SimulatedRunner.TOKEN, report_fills=bool(self._block_full_hook)
@@ -372,6 +374,7 @@ class Engine:
             return  # a token could end it: it stays outside and is stepped one by one
         n_out = len(seq.output_token_ids)
         lane.join(seq, min(p.max_tokens - n_out, seq.max_len - len(seq.prompt_token_ids) - n_out))
+        self.events.emit("request_decode", request=seq.request_id, computed=seq.num_computed_tokens, generated=n_out)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After its prefill, split a parent into its n samples, sharing every block."""

@@ -219,13 +219,12 @@ class FCFSScheduler:
             return None
         out.lane_decodes, out.lane_context = members, lane.tokens()
         order = sorted(due + outside[: len(grants)], key=_run_order) if grants else due
-        if allocator.hooks is None:
-            # One slice of the free queue, dealt out in running order: the ids the one-by-one loop would give.
-            blocks = iter(allocator.pool.allocate_many(needed))
+        if allocator.hooks is None:  # in running order: the block ids the one-by-one loop would give
+            pool = allocator.pool
             for seq in order:
                 count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
                 if count:
-                    seq.block_table.blocks.extend(itertools.islice(blocks, count))
+                    seq.block_table.blocks.extend(pool.allocate_many(count, seq.request_id))
         else:  # plugins see each allocation as the one-by-one loop makes it (reclaiming cached blocks, ...)
             granted = dict(zip(outside, grants))
             for seq in order:

@@ -53,6 +53,8 @@ class SimSetup:
             kv_cache_memory=self.kv_cache_memory, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, dtype=dtype, device="cpu",
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space, trace=self.trace,
+            # a simulated trace is read back whole: a keyframe (every live request) every 1000 steps is plenty
+            plugin_options={"telemetry": {"keyframe_steps": 1000, "keyframe_s": 60.0}} if self.trace else {},
         )
 
 

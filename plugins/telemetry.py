@@ -55,6 +55,8 @@ def close(engine: Any) -> None:
 
 
 class Telemetry:
+    follows_decode_lane = True  # a simulated engine may keep its decode lane: members advance via request_decode
+
     def __init__(self, config: Any) -> None:
         self.config = config
         self.address = parse_address(config.telemetry) if config.telemetry else None  # refuse bad ones first
@@ -187,15 +189,19 @@ class Telemetry:
     def _snapshot_message(self, now: float | None = None) -> dict:
         engine = self.engine
         pool = engine.pool
+        lane = getattr(engine, "_lane", None)
+        members = lane.members if lane is not None else {}
         requests = []
         for rid, seqs in _live_groups(engine).items():
             first = seqs[0]
+            counts = [lane.counters(s) if s in members else (s.num_computed_tokens, len(s.output_token_ids))
+                      for s in seqs]
             requests.append({
                 "id": rid,
                 "state": first.status.value,
                 "prompt": len(first.prompt_token_ids),
-                "gen": max(len(s.output_token_ids) for s in seqs),
-                "computed": first.num_computed_tokens,
+                "gen": max(n_out for _, n_out in counts),
+                "computed": counts[0][0],
                 "blocks": list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks)),
                 "cpu_blocks": [b for s in seqs for b in _cpu_table(engine, s)],
                 "preemptions": sum(s.num_preemptions for s in seqs),
@@ -205,13 +211,14 @@ class Telemetry:
             "snapshot", self.seq, self._now(now), step=self.step, num_blocks=pool.num_blocks,
             block_size=self.config.block_size, refs=list(pool.ref_counts), kept=sorted(pool.kept),
             requests=requests, stats=self._stats(now if now is not None else time.monotonic()),
+            decoding=sorted({s.request_id for s in members}),
         )
 
     def _stats(self, now: float) -> dict:
         engine = self.engine
         pool, sched, stats = engine.pool, engine.scheduler, engine.stats
-        running = list(sched.running)
-        held = sum(s.num_computed_tokens for s in running)
+        running = sched.running
+        held = engine._computed_running()  # (exact with a decode lane too)
         used = pool.num_used
         slots = used * self.config.block_size
         return {
@@ -246,7 +253,9 @@ class Telemetry:
         return merged
 
     def _progress(self) -> dict:
-        return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in self.engine.scheduler.running}
+        lane = getattr(self.engine, "_lane", None)  # decode-lane members advance on their own (request_decode)
+        running = lane.outside if lane is not None else self.engine.scheduler.running
+        return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in running}
 
     def _count(self, kind: str, data: dict) -> None:
         c = self._counters

@@ -7,13 +7,20 @@ Every message has ``v`` (the protocol version), ``seq`` and ``type``:
 - ``snapshot``: the full state at version ``seq`` (a keyframe): per-block ref
   counts, kept (cached) blocks, live requests with their block tables, stats;
 - ``delta``: the events of one engine step, moving the state from ``seq - 1``
-  to ``seq``, with that step's stats;
+  to ``seq``, with that step's stats and ``progress`` (``[computed, generated]``
+  of running requests);
 - ``heartbeat``: sent by the server when idle; ``seq`` is the newest version;
 - ``end``: the engine closed the stream.
 
 ``seq`` is the state version, not a line counter: a delta is applied only to
 the state it follows; a reader that sees a gap waits for the next snapshot.
 This module has no dependencies, so the engine and the monitor share it.
+
+Version 2 (a simulated engine's decode lane): a ``request_decode`` event (with
+``computed`` and ``generated``) says the request now gains one computed and one
+generated token every step, without being listed in ``progress``, until a
+``progress`` entry, a preemption or its finish says otherwise; a snapshot's
+``decoding`` lists the requests in that state.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MESSAGE_TYPES = ("hello", "snapshot", "delta", "heartbeat", "end")
 
 
@@ -86,6 +93,8 @@ def validate(msg: Any) -> dict[str, Any]:
             _check_request(req, len(refs))
         if not isinstance(msg.get("stats", {}), dict):
             raise ProtocolError("snapshot field 'stats' must be an object")
+        if "decoding" in msg and not all(isinstance(rid, str) for rid in _list(msg, "decoding")):
+            raise ProtocolError("snapshot field 'decoding' must list request ids")
     elif kind == "delta":
         _int(msg, "step")
         for ev in _list(msg, "events"):

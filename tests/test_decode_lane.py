@@ -134,10 +134,17 @@ def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
     assert Engine(config, simulate=SIM_MODEL, decode_lane=False)._lane is None
     assert Engine(replace(config, allocator="static"), simulate=SIM_MODEL)._lane is not None
     assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is not None
-    # forks share partly filled blocks, telemetry records every sequence each step
-    assert Engine(replace(config, enable_copy_on_write=True), simulate=SIM_MODEL)._lane is None
     assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is not None  # (preempts flushed)
-    assert Engine(replace(config, trace=str(tmp_path / "t.ndjson")), simulate=SIM_MODEL)._lane is None
+    assert Engine(replace(config, trace=str(tmp_path / "t.ndjson")), simulate=SIM_MODEL)._lane is not None
+
+    class StepListener:  # a step-event listener that does not say it follows the lane
+        @hookimpl
+        def pagedkv_on_step_events(self, events):
+            pass
+
+    # forks share partly filled blocks; such a listener may expect every sequence's events each step
+    assert Engine(replace(config, enable_copy_on_write=True), simulate=SIM_MODEL)._lane is None
+    assert Engine(config, simulate=SIM_MODEL, plugins=(StepListener(),))._lane is None
 
 
 def test_lane_member_materializes_when_aborted_or_streamed():
@@ -377,3 +384,53 @@ SwapTwinMachine.TestCase.settings = TWIN_SETTINGS
 test_lane_and_one_by_one_engines_stay_identical = TwinMachine.TestCase
 test_with_prefix_caching_lane_and_one_by_one_engines_stay_identical = PrefixCachingTwinMachine.TestCase
 test_with_swap_and_prefix_caching_lane_and_one_by_one_engines_stay_identical = SwapTwinMachine.TestCase
+
+
+# --- telemetry: a trace recorded with the lane replays to the monitor states of one recorded without it --------
+
+
+def _monitor_states(path) -> list:
+    from pagedkv.monitor.state import MonitorState
+    from pagedkv.monitor.trace import apply_message, read_trace
+
+    trace = read_trace(path)
+    state, out = MonitorState(), []
+    for index in range(len(trace.messages)):
+        apply_message(state, trace, index)
+        requests = {r.id: (r.state, r.computed, r.generated, r.preemptions, r.samples, r.finish_reason)
+                    for r in state.requests.values()}
+        stats = {k: v for k, v in state.stats.items() if k != "step_ms"}
+        out.append((trace.messages[index]["type"], state.step, state.block_map(), state.request_tables(), requests,
+                    stats))
+    return out
+
+
+@pytest.mark.parametrize("setup", ["plain", "prefix caching + swap"])
+def test_trace_recorded_with_the_lane_gives_the_monitor_the_same_state_after_every_message(tmp_path, setup):
+    import random
+
+    from pagedkv.plugins.telemetry import close
+
+    states, sizes = [], []
+    for lane in (False, True):
+        path = tmp_path / f"lane-{lane}.ndjson"
+        config = EngineConfig(device="cpu", block_size=4, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=48,
+                              trace=str(path), plugin_options={"telemetry": {"keyframe_steps": 25, "keyframe_s": 1e9}},
+                              enable_prefix_caching=setup != "plain", swap_space="64KiB" if setup != "plain" else None)
+        engine = Engine(config, simulate=SIM_MODEL, decode_lane=lane)
+        assert (engine._lane is not None) == lane
+        rng = random.Random(5)
+        for step in range(900):
+            if step % 4 == 0 and step < 160:
+                prompt = [7] * rng.choice([0, 8, 12]) + [rng.randrange(1, 999) for _ in range(rng.randrange(1, 20))]
+                engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 80), ignore_eos=True))
+            if engine.has_unfinished():
+                engine.step(stream=False)
+        assert not engine.has_unfinished() and engine.stats.preemptions > 0
+        close(engine)
+        states.append(_monitor_states(path))
+        sizes.append(path.stat().st_size)
+    assert len(states[0]) == len(states[1])
+    for plain, laned in zip(*states):
+        assert laned == plain
+    assert sizes[1] < sizes[0]  # members' progress is implied, not written every step
