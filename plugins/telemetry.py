@@ -179,7 +179,7 @@ class Telemetry:
     def _hello_message(self) -> dict:
         engine, config = self.engine, self.config
         name = getattr(getattr(engine.model, "config", None), "_name_or_path", None)
-        model = config.model or name or type(engine.model).__name__
+        model = config.model or name or (type(engine.model).__name__ if engine.model is not None else "simulated")
         return message(
             "hello", self.seq, self._now(), num_blocks=engine.pool.num_blocks, block_size=config.block_size,
             num_cpu_blocks=_num_cpu_blocks(engine), backend=config.backend, model=str(model),
