@@ -7,6 +7,7 @@ is reclaimed). The pool knows nothing about sequences.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -62,8 +63,7 @@ class BlockPool:
         """
         if self.hooks is not None or self.events.enabled or count > len(self.free_queue):
             return [self.allocate(owner) for _ in range(count)]
-        popleft = self.free_queue.popleft
-        blocks = [popleft() for _ in range(count)]
+        blocks = list(itertools.starmap(self.free_queue.popleft, itertools.repeat((), count)))  # a C-level loop
         refs = self.ref_counts
         for block_id in blocks:
             refs[block_id] = 1
@@ -103,6 +103,12 @@ class BlockPool:
                 self.decref(block_id, owner)
             return
         refs, free = self.ref_counts, self.free_queue.append
+        block_ids = list(block_ids)
+        if list(map(refs.__getitem__, block_ids)).count(1) == len(block_ids) == len(set(block_ids)):
+            for block_id in block_ids:  # the usual case: each is its block's last reference
+                refs[block_id] = 0
+            self.free_queue.extend(block_ids)
+            return
         for block_id in block_ids:
             left = refs[block_id] - 1
             if left < 0:
