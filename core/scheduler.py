@@ -221,10 +221,12 @@ class FCFSScheduler:
         order = sorted(due + outside[: len(grants)], key=_run_order) if grants else due
         if allocator.hooks is None:  # in running order: the block ids the one-by-one loop would give
             pool = allocator.pool
+            batch = None if pool.events.enabled else iter(pool.allocate_many(needed))  # (events name owners)
             for seq in order:
                 count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
                 if count:
-                    seq.block_table.blocks.extend(pool.allocate_many(count, seq.request_id))
+                    blocks = itertools.islice(batch, count) if batch else pool.allocate_many(count, seq.request_id)
+                    seq.block_table.blocks.extend(blocks)
         else:  # plugins see each allocation as the one-by-one loop makes it (reclaiming cached blocks, ...)
             granted = dict(zip(outside, grants))
             for seq in order:
