@@ -73,9 +73,6 @@ class DecodeLane:
         self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
         self._serials = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self.members)
-
     def tokens(self) -> int:
         """Computed tokens the members hold now (their context before the next step)."""
         return self._offset + len(self.members) * self.clock

@@ -319,7 +319,8 @@ class Engine:
         for item in out.scheduled:
             seq = item.seq
             while filled and filled[0].run_order < seq.run_order:
-                self._report_lane_fill(filled.pop(0))
+                seq_filled = filled.pop(0)  # (its counters are up to date: one block filled with its last token)
+                self._report_full_blocks(seq_filled, seq_filled.num_computed_tokens - 1)
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + item.num_new_tokens
             prompt_len = len(seq.prompt_token_ids)
@@ -337,7 +338,7 @@ class Engine:
                     rows.append(row)
                 row += 1
         for seq in filled:
-            self._report_lane_fill(seq)
+            self._report_full_blocks(seq, seq.num_computed_tokens - 1)
         tokens: list[int] = []
         if sampling:
             if len(rows) != logits.shape[0]:
@@ -395,11 +396,6 @@ class Engine:
         parent.pending_forks = 0
         self.events.emit("request_fork", request=parent.request_id, children=len(children))
         return children
-
-    def _report_lane_fill(self, seq: Sequence) -> None:
-        """A lane member's last block just became full (its counters were brought up to date)."""
-        logical = seq.num_computed_tokens // self.config.block_size - 1
-        self._block_full_hook(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
 
     def _report_full_blocks(self, seq: Sequence, before: int) -> None:
         bs = self.config.block_size
