@@ -1,40 +1,109 @@
-"""benchmarks/gpu_suite.py on the CPU: the dry run exercises the test runner and the timing path end to end."""
+"""benchmarks/gpu_suite.py on the CPU: the dry run exercises the test runner, the kernel timings and the
+end-to-end comparison with transformers through the same code paths as the GPU run, with tiny shapes."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
+TOOL_OUTPUT_TAIL = 12_000  # the device tool returns only this many trailing characters of output
 
 
-def test_dry_run_exits_0_and_prints_the_table_last(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(SUITE), "--dry-run"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("out")
+    res = subprocess.run([sys.executable, str(SUITE), "--dry-run"], cwd=out, env={**os.environ, "OUT": str(out)},
+                         capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.strip().splitlines()
+    return res, out
+
+
+def test_out_holds_exactly_the_three_files_the_device_tool_brings_back(dry_run) -> None:
+    _, out = dry_run
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_suite.json", "gpu_suite.md", "logs.tar.gz"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert any(n.startswith("junit/") and n.endswith(".xml") for n in names), names
+    for log in ("logs/sdpa.log", "logs/torch.log", "logs/e2e.log", "logs/e2e_rows.jsonl"):
+        assert log in names
+
+
+def test_kernel_table_times_every_point_against_the_reference(dry_run) -> None:
+    res, out = dry_run
+    lines = res.stdout.splitlines()
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("backend "))):]
     assert table[0].split()[:5] == ["backend", "shape", "dtype", "batch", "ctx"]
-    body = [ln.split() for ln in table[2:]]
+    body = [ln.split() for ln in table[2:] if ln.strip()][:6]
     assert {row[0] for row in body} == {"sdpa", "torch"}
-    assert len(body) == 6 and all(row[5] != "-" for row in body), table  # every point was timed
-    # the runner's self-check: counts from JUnit XML, and from the -v log of a step killed at its timeout
+    assert all(row[5] != "-" for row in body), table  # every point was timed
+    report = json.loads((out / "gpu_suite.json").read_text())
+    assert report["dry_run"] and report["complete"] and report["copy_gbps"] > 0
+    points = report["points"]
+    assert len(points) == 6 and all(p["ok"] for p in points), points  # torch and SDPA agree with fp32
+    assert all(p["x_contig"] == pytest.approx(1.0) for p in points if p["backend"] == "sdpa")
+
+
+def test_runner_self_check_counts_junit_and_killed_steps(dry_run) -> None:
+    res, _ = dry_run
     assert "1 passed, 1 failed, 0 errors, 1 skipped" in res.stdout
     assert "TIMEOUT" in res.stdout and "test_b [still running" in res.stdout
-    report = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert report["dry_run"] and report["copy_gbps"] > 0
-    points = report["points"]
-    assert all(p["ok"] for p in points), points  # torch and SDPA agree with the fp32 reference
-    assert all(p["x_sdpa"] == pytest.approx(1.0) for p in points if p["backend"] == "sdpa")
-    assert "| backend | shape |" in (tmp_path / "gpu_suite.md").read_text()
+
+
+def test_end_to_end_compares_the_engine_with_both_transformers_paths(dry_run) -> None:
+    res, out = dry_run
+    report = json.loads((out / "gpu_suite.json").read_text())
+    systems = {r["system"]: r for r in report["e2e"]}
+    assert set(systems) == {"pagedkv[torch]", "hf generate_batch", "hf generate (padded)"}
+    for name, r in systems.items():
+        assert r["complete"] and r["finished"] == r["requests"] == 6, (name, r)
+        assert r["tok_s"] > 0 and "error" not in r
+    # every system produced exactly the requested tokens (EOS ignored), so the throughputs compare the same work
+    assert len({r["output_tokens"] for r in systems.values()}) == 1
+    assert report["tp"] == [{"kind": "tp", "note": "skipped: tensor parallelism not implemented yet"}]
+    md = (out / "gpu_suite.md").read_text()
+    assert "## Goals" in md and "## End to end" in md and "| backend | shape |" in md and "Status: complete" in md
+
+
+def test_goals_are_printed_last_and_the_summary_fits_the_tool_output(dry_run) -> None:
+    res, _ = dry_run
+    summary = res.stdout[res.stdout.index("workers: "):]
+    assert len(summary) <= TOOL_OUTPUT_TAIL
+    lines = res.stdout.strip().splitlines()
+    tail = lines[max(i for i, ln in enumerate(lines) if ln.split()[:3] == ["goal", "backend", "measured"]):]
+    assert len(tail) < 12, tail  # the goals table, a blank line and the status line: nothing after them
+    assert any("engine throughput vs generate_batch" in ln and " torch " in ln for ln in tail)
+    assert tail[-1].startswith("complete in ")
+
+
+def test_sigterm_mid_run_leaves_a_partial_report(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(SUITE), "--dry-run", "--skip-e2e"], cwd=tmp_path,
+                            env={**os.environ, "OUT": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        md = tmp_path / "gpu_suite.md"
+        limit = time.monotonic() + 60
+        while not md.exists() and time.monotonic() < limit:  # the first report is written before any phase
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    assert "partial results written" in output
+    assert "PARTIAL" in md.read_text()
+    assert json.loads((tmp_path / "gpu_suite.json").read_text())["complete"] is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_suite.json", "gpu_suite.md", "logs.tar.gz"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
