@@ -117,3 +117,30 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
         del sys.modules[spec.name]
     assert module.main([]) == 0
     assert capsys.readouterr().out.strip() == "no CUDA device: nothing to run"
+
+
+def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_installed() -> None:
+    # python -S: no site-packages, so nothing is installed, as on a GPU image where `pip install -e .` failed
+    repo = SUITE.parent.parent
+    code = (
+        "import sys, json, importlib.metadata, importlib.util; sys.path.insert(0, sys.argv[1]);"
+        "from gpu.bootstrap import bootstrap; from pathlib import Path;"
+        "line = bootstrap(Path(sys.argv[2])); print(line is not None);"
+        "print(importlib.util.find_spec('pagedkv.core').submodule_search_locations[0]);"
+        "print(json.dumps([ep.name for ep in importlib.metadata.entry_points(group='pagedkv')]))"
+    )
+    res = subprocess.run([sys.executable, "-S", "-c", code, str(SUITE.parent), str(repo)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    used_shim, core_dir, names = res.stdout.splitlines()
+    assert used_shim == "True"
+    assert Path(core_dir).resolve() == (repo / "core").resolve()
+    assert {"torch", "triton", "cupy", "prefix_cache", "telemetry"} <= set(json.loads(names))
+
+
+def test_pyproject_license_is_the_table_form_older_setuptools_reads() -> None:
+    # a bare SPDX string (license = "Apache-2.0") fails metadata generation on setuptools < 77 (checked on 68)
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((SUITE.parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["license"] == {"text": "Apache-2.0"}
+    assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
