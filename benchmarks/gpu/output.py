@@ -99,8 +99,8 @@ def final_text(state: dict[str, Any], out_dir: Path) -> str:
     """Everything worth reading, least important first; the kernel table loses its extra points if too long."""
     sec = _sections(state)
     parts = [f"workers: {json.dumps(state['workers'])}"]
-    for e in state["tests"]:
-        parts += [f"  {e['step']}: {line}" for line in e["failing"][:6]]
+    failing = [f"  {e['step']}: {line}"[:160] for e in state["tests"] for line in e["failing"][:6]]
+    parts += failing[:30] + ([f"  ... {len(failing) - 30} more in gpu_suite.md"] if len(failing) > 30 else [])
     if sec["tests"]:
         parts.append(render_text(sec["tests"]))
     tail = []

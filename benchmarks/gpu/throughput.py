@@ -144,11 +144,14 @@ def run_hf_generate_batch(torch: Any, model: Any, reqs: Requests, deadline: floa
 
         cb_config = ContinuousBatchingConfig(**_filtered(ContinuousBatchingConfig, dict(
             num_blocks=64, max_batch_tokens=128, page_size=BLOCK_SIZE)))
-    kwargs = _filtered(model.init_continuous_batching, dict(generation_config=gen,
-                                                            continuous_batching_config=cb_config))
-    manager = model.init_continuous_batching(**kwargs)
-    if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
-        raise RuntimeError("this transformers' ContinuousBatchingManager.add_request has no max_new_tokens")
+    manager = None
+    try:
+        manager = model.init_continuous_batching(**_filtered(model.init_continuous_batching, dict(
+            generation_config=gen, continuous_batching_config=cb_config)))
+        if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
+            raise TypeError("ContinuousBatchingManager.add_request has no max_new_tokens")
+    except (AttributeError, TypeError) as exc:  # another 5.x API: the one-call form, one max_new_tokens for all
+        return _generate_batch_call(torch, model, reqs, gen, device, f"{type(exc).__name__}: {exc}")
     manager.start()
     try:
         _collect(manager, [manager.add_request(p, max_new_tokens=4) for p in reqs.prompts[:2]], time.time() + 120)
@@ -165,6 +168,20 @@ def run_hf_generate_batch(torch: Any, model: Any, reqs: Requests, deadline: floa
     return {"finished": len(results), "output_tokens": tokens, "seconds": seconds, "note": f"attention {attn}"}
 
 
+def _generate_batch_call(torch: Any, model: Any, reqs: Requests, gen: Any, device: str, why: str) -> dict[str, Any]:
+    """``model.generate_batch(prompts, generation_config)``: every request runs to the longest output (no
+    deadline inside); only each request's own tokens count, so this baseline is pessimistic (said in the note)."""
+    model.generate_batch(reqs.prompts[:2], gen.__class__(**{**gen.to_dict(), "max_new_tokens": 4}))
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(reqs.prompts, gen)
+    _sync(torch, device)
+    seconds = time.perf_counter() - t0
+    done = [min(len(r.generated_tokens), o) for r, o in zip(out.values(), reqs.outputs)]
+    return {"finished": sum(d == o for d, o in zip(done, reqs.outputs)), "output_tokens": sum(done),
+            "seconds": seconds, "note": f"one-call generate_batch, every request to {gen.max_new_tokens} ({why})"[:200]}
+
+
 def _collect(manager: Any, ids: list[str], deadline: float) -> dict[str, Any]:
     results: dict[str, Any] = {}
     while len(results) < len(ids) and time.time() < deadline:
@@ -173,9 +190,15 @@ def _collect(manager: Any, ids: list[str], deadline: float) -> dict[str, Any]:
             if not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped (see the worker log)")
             continue
-        if r.is_finished():
+        if _is_finished(r):
             results[r.request_id] = r
     return results
+
+
+def _is_finished(result: Any) -> bool:
+    if hasattr(result, "is_finished"):
+        return bool(result.is_finished())
+    return str(getattr(result, "status", "")).upper().endswith("FINISHED")
 
 
 def _sync(torch: Any, device: str) -> None:
