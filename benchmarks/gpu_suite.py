@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,6 +219,7 @@ def run_suite(args: argparse.Namespace) -> int:
     from gpu.output import final_text
 
     print("\n" + final_text(suite.state, out_dir), flush=True)
+    shutil.rmtree(work_dir, ignore_errors=True)  # everything in it is in logs.tar.gz
     return 0
 
 

@@ -144,3 +144,36 @@ def test_pyproject_license_is_the_table_form_older_setuptools_reads() -> None:
     project = tomllib.loads((SUITE.parent.parent / "pyproject.toml").read_text())["project"]
     assert project["license"] == {"text": "Apache-2.0"}
     assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
+
+
+def test_a_full_gpu_sized_report_keeps_the_goals_within_the_tool_output(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        from gpu.kernels import plan_points
+        from gpu.output import final_text, write_outputs
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    rows: list[dict] = [{"kind": "env", "gpu": "H200"}, {"kind": "copy", "gbps": 4000.0}]
+    for backend in ("sdpa", "sdpa_flash", "torch", "triton", "cupy"):
+        for p in plan_points(dry_run=False, extras=True):
+            rows.append({"kind": "point", "backend": backend, **p, "bytes": 10**9, "median_us": 400.0, "ok": True})
+    failing = ["tests/test_x.py::test_" + "y" * 280 + " [failure]"] * 10
+    tests = [{"step": f"step {i}", "status": "FAIL", "passed": 1, "failed": 10, "errors": 0, "skipped": 0,
+              "processes": 1, "seconds": 5.0, "failing": failing} for i in range(13)]
+    e2e = [{"kind": "e2e", "system": s, "requests": 64, "finished": 64, "output_tokens": 8000, "seconds": 4.0,
+            "tok_s": t, "complete": True} for s, t in (("pagedkv[triton]", 5000.0), ("hf generate_batch", 2000.0),
+                                                       ("hf generate (padded)", 1500.0))]
+    state = {"dry_run": False, "budget_s": 360, "wall_s": 350.0, "complete": True, "phase": "done", "tests": tests,
+             "workers": [], "rows": rows, "e2e": e2e, "tp": [], "e2e_notes": ["Model: ..."],
+             "e2e_attention_point": ("llama1b", "bfloat16")}
+    text = final_text(state, tmp_path)
+    assert len(text) <= TOOL_OUTPUT_TAIL
+    lines = text.splitlines()
+    goals = lines[next(i for i, ln in enumerate(lines) if ln.startswith("goal ")):]
+    verdicts = [ln.split()[-1] for ln in goals[2:] if ln.strip() and not ln.startswith("complete")]
+    assert len(verdicts) == 2 * 3 * 1 + 1  # bandwidth and ratio for 3 paged backends at bf16, engine for triton
+    assert any("vs generate_batch" in ln and "2.50x" in ln and ln.endswith("met") for ln in goals)
+    assert lines[-1].startswith("complete in 350s")
+    write_outputs(tmp_path, tmp_path, state)  # the markdown keeps every point, extras included
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert md.count("| llama8b |") == 5 * len(plan_points(dry_run=False, extras=True)) // 3

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -186,7 +185,8 @@ def gpu_test_steps(work_dir: Path, runner: Runner, deadline: float) -> None:
 
 def dry_test_steps(work_dir: Path, runner: Runner) -> None:
     """CPU self-check of the runner: a generated test file (1 pass, 1 fail, 1 skip) and a step that times out."""
-    tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_selfcheck_"))
+    tmp = work_dir / "selfcheck"
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "pytest.ini").write_text("[pytest]\n")
     (tmp / "test_selfcheck.py").write_text(
         "import pytest\n\n"
