@@ -144,27 +144,29 @@ def run_hf_generate_batch(torch: Any, model: Any, reqs: Requests, deadline: floa
 
         cb_config = ContinuousBatchingConfig(**_filtered(ContinuousBatchingConfig, dict(
             num_blocks=64, max_batch_tokens=128, page_size=BLOCK_SIZE)))
-    manager = None
     try:
         manager = model.init_continuous_batching(**_filtered(model.init_continuous_batching, dict(
-            generation_config=gen, continuous_batching_config=cb_config)))
+            generation_config=gen, continuous_batching_config=cb_config, workload_hints=_hints(reqs))))
         if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
             raise TypeError("ContinuousBatchingManager.add_request has no max_new_tokens")
     except (AttributeError, TypeError) as exc:  # another 5.x API: the one-call form, one max_new_tokens for all
         return _generate_batch_call(torch, model, reqs, gen, device, f"{type(exc).__name__}: {exc}")
+    if hasattr(manager, "warmup") and not getattr(manager, "warmed_up", True):
+        manager.warmup()  # as generate_batch does: CUDA graphs captured before the clock starts
     manager.start()
     try:
-        _collect(manager, [manager.add_request(p, max_new_tokens=4) for p in reqs.prompts[:2]], time.time() + 120)
+        _collect(manager, [manager.add_request(p, max_new_tokens=4) for p in reqs.prompts[:2]],
+                 min(deadline, time.time() + 120))
         _sync(torch, device)
         t0 = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=o) for p, o in zip(reqs.prompts, reqs.outputs)]
         results = _collect(manager, ids, deadline)
         _sync(torch, device)
         seconds = time.perf_counter() - t0
+        attn = getattr(model.config, "_attn_implementation", "?")  # read before stop() may switch it back
     finally:
         manager.stop(**_filtered(manager.stop, dict(block=True, timeout=30)))
     tokens = sum(len(r.generated_tokens) for r in results.values())
-    attn = getattr(model.config, "_attn_implementation", "?")
     return {"finished": len(results), "output_tokens": tokens, "seconds": seconds, "note": f"attention {attn}"}
 
 
@@ -180,6 +182,17 @@ def _generate_batch_call(torch: Any, model: Any, reqs: Requests, gen: Any, devic
     done = [min(len(r.generated_tokens), o) for r, o in zip(out.values(), reqs.outputs)]
     return {"finished": sum(d == o for d, o in zip(done, reqs.outputs)), "output_tokens": sum(done),
             "seconds": seconds, "note": f"one-call generate_batch, every request to {gen.max_new_tokens} ({why})"[:200]}
+
+
+def _hints(reqs: Requests) -> Any:
+    """The sizes generate_batch would pass (None where this transformers has no WorkloadHints)."""
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:
+        return None
+    return WorkloadHints(**_filtered(WorkloadHints, dict(max_prompt_length=max(map(len, reqs.prompts)),
+                                                         max_generated_length=max(reqs.outputs),
+                                                         num_requests=len(reqs.prompts))))
 
 
 def _collect(manager: Any, ids: list[str], deadline: float) -> dict[str, Any]:
