@@ -67,6 +67,7 @@ from gpu.runner import (  # noqa: E402
 # share of the benchmark time per worker (the rest of the budget after the tests, split by these weights)
 WEIGHTS = {"sdpa": 1.0, "triton": 1.2, "cupy": 1.2, "torch": 0.8, "e2e": 3.5}
 RESERVE_S = 6.0  # kept at the end for the last report
+PUBLISH_EVERY_S = 10.0  # how often rows of a running worker are written into the report
 
 
 class Suite:
@@ -78,6 +79,9 @@ class Suite:
         self.args, self.out_dir, self.work_dir, self.t0 = args, out_dir, work_dir, now()
         self.deadline = self.t0 + args.budget
         self.active: subprocess.Popen | None = None
+        self.active_rows: tuple[str, Path] | None = None
+        self.worker_rows: dict[str, list[dict[str, Any]]] = {}  # what each benchmark worker has reported so far
+        self.last_write = now()
         self.runner: Runner | None = None
         self.state: dict[str, Any] = {
             "dry_run": args.dry_run, "budget_s": args.budget, "wall_s": 0.0, "complete": False, "phase": "start",
@@ -88,12 +92,26 @@ class Suite:
     def write(self, phase: str, complete: bool = False) -> None:
         from gpu.output import write_outputs
 
-        self.state.update(phase=phase, complete=complete, wall_s=now() - self.t0)
+        self.state.update(phase=phase, complete=complete, wall_s=now() - self.t0, rows=[], e2e=[], tp=[])
+        for rows in self.worker_rows.values():
+            for r in rows:
+                kind = r.get("kind")
+                if kind in ("e2e", "tp"):
+                    self.state[kind].append(r)
+                elif kind == "e2e_info":
+                    self.state["e2e_notes"] = [_e2e_note(r)]
+                else:
+                    self.state["rows"].append(r)
+        self.last_write = now()
         write_outputs(self.out_dir, self.work_dir, self.state)
 
     def kill_children(self) -> None:
+        """Stop whatever runs now, keeping the rows the running worker had written."""
         if self.active is not None and self.active.poll() is None:
             _kill_group(self.active)
+        if self.active_rows is not None:
+            name, path = self.active_rows
+            self.worker_rows[name] = read_rows(path)
         if self.runner is not None:
             for step in self.runner.steps:
                 if step.proc is not None and step.proc.poll() is None:
@@ -146,23 +164,11 @@ def run_workers(suite: Suite, names: list[str]) -> None:
             suite.active = proc = subprocess.Popen(argv, cwd=REPO, env=_child_env(), stdout=handle,
                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                    start_new_session=True)
-            try:
-                rc: int | str = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                rc = "killed at its time share"
-        suite.active = None
+            suite.active_rows = (name, rows_path)
+            rc = _wait_publishing(suite, proc, rows_path, started + timeout, name)
+        suite.active = suite.active_rows = None
         got = read_rows(rows_path)
-        for r in got:
-            kind = r.get("kind")
-            if kind == "e2e":
-                state["e2e"].append(r)
-            elif kind == "tp":
-                state["tp"].append(r)
-            elif kind == "e2e_info":
-                state["e2e_notes"] = [_e2e_note(r)]
-            else:
-                state["rows"].append(r)
+        suite.worker_rows[name] = got
         fatal = [r["error"] for r in got if r.get("kind") == "fatal"]
         status = "ok" if rc == 0 else f"exit {rc}" + (f": {fatal[0]}" if fatal else "")
         if rc != 0 and not fatal:
@@ -172,6 +178,25 @@ def run_workers(suite: Suite, names: list[str]) -> None:
                                  "share_s": round(timeout, 1), "rows": len(got)})
         print(f"[{name}] {status} ({now() - started:.0f}s of {timeout:.0f}s, {len(got)} rows)", flush=True)
         suite.write(f"after {name}")
+
+
+def _wait_publishing(suite: Suite, proc: subprocess.Popen, rows_path: Path, until: float, name: str) -> int | str:
+    """Wait for the worker; every few seconds, rows it has written since go into the report files, so a kill
+    of this whole script loses at most those last seconds."""
+    published = 0
+    while proc.poll() is None:
+        if now() > until:
+            _kill_group(proc)
+            return "killed at its time share"
+        time.sleep(0.25)
+        if now() - suite.last_write > PUBLISH_EVERY_S:
+            rows = read_rows(rows_path)
+            if len(rows) > published:
+                published = len(rows)
+                suite.worker_rows[name] = rows
+                suite.write(f"{name} running")
+            suite.last_write = now()
+    return proc.returncode
 
 
 def _e2e_note(info: dict[str, Any]) -> str:

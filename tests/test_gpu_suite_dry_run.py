@@ -86,24 +86,28 @@ def test_goals_are_printed_last_and_the_summary_fits_the_tool_output(dry_run) ->
     assert tail[-1].startswith("complete in ")
 
 
-def test_sigterm_mid_run_leaves_a_partial_report(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(SUITE), "--dry-run", "--skip-e2e"], cwd=tmp_path,
-                            env={**os.environ, "OUT": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def test_sigterm_while_a_worker_runs_keeps_the_rows_it_wrote(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(SUITE), "--dry-run", "--skip-tests", "--skip-e2e", "--backends",
+                             "torch"], cwd=tmp_path, env={**os.environ, "OUT": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        md = tmp_path / "gpu_suite.md"
-        limit = time.monotonic() + 60
-        while not md.exists() and time.monotonic() < limit:  # the first report is written before any phase
+        first = proc.stdout.readline()
+        rows = Path(first.rsplit("logs in ", 1)[1].strip()) / "logs" / "torch_rows.jsonl"
+        limit = time.monotonic() + 90
+        while not (rows.exists() and rows.read_text().count("\n") >= 1) and time.monotonic() < limit:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # the worker has timed its first point and is on the next ones
         output, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0, output
-    assert "partial results written" in output
-    assert "PARTIAL" in md.read_text()
-    assert json.loads((tmp_path / "gpu_suite.json").read_text())["complete"] is False
+    assert "interrupted during benchmarks: partial results written" in output
+    assert "PARTIAL" in (tmp_path / "gpu_suite.md").read_text()
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert report["complete"] is False
+    assert any(p["backend"] == "torch" and "median_us" in p for p in report["points"]), report["points"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_suite.json", "gpu_suite.md", "logs.tar.gz"]
+    assert not rows.parent.parent.exists()  # the work folder went into logs.tar.gz and was removed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
