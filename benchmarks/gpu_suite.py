@@ -113,9 +113,8 @@ class Suite:
             name, path = self.active_rows
             self.worker_rows[name] = read_rows(path)
         if self.runner is not None:
-            for step in self.runner.steps:
-                if step.proc is not None and step.proc.poll() is None:
-                    _kill_group(step.proc)
+            self.runner.kill_all()
+            self.state["tests"] = summarize_tests(self.runner.steps)
 
 
 def run_tests(suite: Suite) -> None:
@@ -126,7 +125,11 @@ def run_tests(suite: Suite) -> None:
         dry_test_steps(suite.work_dir, runner)
     else:
         gpu_test_steps(suite.work_dir, runner, tests_deadline)
-    runner.wait(tests_deadline)
+    def publish() -> None:
+        suite.state["tests"] = summarize_tests(runner.steps)
+        suite.write("tests running")
+
+    runner.wait(tests_deadline, on_tick=publish, every=PUBLISH_EVERY_S)
     suite.state["tests"] = summarize_tests(runner.steps)
     suite.runner = None
     print(f"[tests] done at {now() - suite.t0:.0f}s", flush=True)

@@ -81,7 +81,9 @@ class Runner:
         handle.close()
         self.steps.append(step)
 
-    def wait(self, deadline: float) -> None:
+    def wait(self, deadline: float, on_tick: Any = None, every: float = 10.0) -> None:
+        """Until every step ended or ``deadline``; ``on_tick()`` every ``every`` seconds meanwhile."""
+        last = now()
         while True:
             running = [s for s in self.steps if s.proc is not None and s.rc is None and not s.timed_out]
             if not running:
@@ -94,6 +96,16 @@ class Runner:
                     _kill_group(s.proc)
                     s.timed_out, s.seconds = True, now() - s.started
             time.sleep(0.2)
+            if on_tick is not None and now() - last > every:
+                on_tick()
+                last = now()
+
+    def kill_all(self) -> None:
+        """Stop every step still running (the suite itself is being stopped); they count as timed out."""
+        for s in self.steps:
+            if s.proc is not None and s.rc is None and not s.timed_out:
+                _kill_group(s.proc)
+                s.timed_out, s.seconds = True, now() - s.started
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -282,10 +294,11 @@ def summarize_tests(steps: list[Step]) -> list[dict[str, Any]]:
     for s in steps:
         entry = merged.setdefault(s.name, {
             "step": s.name, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "processes": 0, "timed_out": 0,
-            "crashed": 0, "seconds": 0.0, "failing": [], "logs": [],
+            "crashed": 0, "running": 0, "seconds": 0.0, "failing": [], "logs": [],
         })
+        running = s.proc is not None and s.rc is None and not s.timed_out
         entry["processes"] += 1
-        entry["seconds"] = max(entry["seconds"], round(s.seconds, 1))
+        entry["seconds"] = max(entry["seconds"], round(now() - s.started if running else s.seconds, 1))
         entry["logs"].append(s.log.name if s.log else "")
         counts = None
         if s.junit is not None:
@@ -300,6 +313,8 @@ def summarize_tests(steps: list[Step]) -> list[dict[str, Any]]:
             entry["failing"].extend(counts["failing"])
         if s.timed_out:
             entry["timed_out"] += 1
+        elif running:
+            entry["running"] += 1
         elif s.rc not in (0, 1, 5) or (counts is None and s.rc != 0):  # 1: tests failed, 5: none collected
             entry["crashed"] += 1
             lines = [ln for ln in _tail(s.log, 4000).splitlines() if ln.strip()]
@@ -307,6 +322,8 @@ def summarize_tests(steps: list[Step]) -> list[dict[str, Any]]:
     for entry in merged.values():
         if entry["timed_out"]:
             entry["status"] = "TIMEOUT"
+        elif entry["running"]:
+            entry["status"] = "RUNNING"
         elif entry["failed"] or entry["errors"] or entry["crashed"]:
             entry["status"] = "FAIL"
         elif entry["passed"]:
