@@ -145,8 +145,7 @@ def run_hf_generate_batch(torch: Any, model: Any, reqs: Requests, deadline: floa
         cb_config = ContinuousBatchingConfig(**_filtered(ContinuousBatchingConfig, dict(
             num_blocks=64, max_batch_tokens=128, page_size=BLOCK_SIZE)))
     try:
-        manager = model.init_continuous_batching(**_filtered(model.init_continuous_batching, dict(
-            generation_config=gen, continuous_batching_config=cb_config, workload_hints=_hints(reqs))))
+        manager = _init_manager(model, gen, cb_config, reqs)
         if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
             raise TypeError("ContinuousBatchingManager.add_request has no max_new_tokens")
     except (AttributeError, TypeError) as exc:  # another 5.x API: the one-call form, one max_new_tokens for all
@@ -182,6 +181,20 @@ def _generate_batch_call(torch: Any, model: Any, reqs: Requests, gen: Any, devic
     done = [min(len(r.generated_tokens), o) for r, o in zip(out.values(), reqs.outputs)]
     return {"finished": sum(d == o for d, o in zip(done, reqs.outputs)), "output_tokens": sum(done),
             "seconds": seconds, "note": f"one-call generate_batch, every request to {gen.max_new_tokens} ({why})"[:200]}
+
+
+def _init_manager(model: Any, gen: Any, cb_config: Any, reqs: Requests) -> Any:
+    """``init_continuous_batching`` with as many of our arguments as this transformers takes."""
+    attempts = [dict(generation_config=gen, continuous_batching_config=cb_config, workload_hints=_hints(reqs)),
+                dict(generation_config=gen, continuous_batching_config=cb_config), dict(generation_config=gen)]
+    error: Exception | None = None
+    for kwargs in attempts:
+        kwargs = {k: v for k, v in _filtered(model.init_continuous_batching, kwargs).items() if v is not None}
+        try:
+            return model.init_continuous_batching(**kwargs)
+        except TypeError as exc:  # a keyword this version does not know
+            error = exc
+    raise error
 
 
 def _hints(reqs: Requests) -> Any:
