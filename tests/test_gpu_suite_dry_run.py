@@ -123,7 +123,7 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out.strip() == "no CUDA device: nothing to run"
 
 
-def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_installed() -> None:
+def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_installed(tmp_path: Path) -> None:
     # python -S: no site-packages, so nothing is installed, as on a GPU image where `pip install -e .` failed
     repo = SUITE.parent.parent
     code = (
@@ -134,7 +134,7 @@ def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_insta
         "print(json.dumps([ep.name for ep in importlib.metadata.entry_points(group='pagedkv')]))"
     )
     res = subprocess.run([sys.executable, "-S", "-c", code, str(SUITE.parent), str(repo)], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr
     used_shim, core_dir, names = res.stdout.splitlines()
     assert used_shim == "True"
