@@ -142,8 +142,8 @@ def decoding_engine(n: int):
     """A simulated engine with ``n`` sequences past their prefill, each decoding one token per step."""
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.simulate import SimSetup
-    from pagedkv.core.simulated_runner import SimulatedRunner
+    from pagedkv.core.sim.simulate import SimSetup
+    from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
     class Recording(SimulatedRunner):
         last = None

@@ -11,11 +11,11 @@ from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
 from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.simulate import SimSetup, parse_sweep, run_once, simulate
-from pagedkv.core.step_time_model import StepTimeModel, calibrate_from_trace
-from pagedkv.core.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
+from pagedkv.core.sim.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
+from pagedkv.core.sim.simulate import SimSetup, parse_sweep, run_once, simulate
+from pagedkv.core.sim.step_time_model import StepTimeModel, calibrate_from_trace
+from pagedkv.core.sim.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
 
 KINDS = ("block_alloc", "block_free", "block_share", "block_keep", "block_evict", "request_preempt")
 
@@ -211,7 +211,7 @@ def test_bad_trace_names_the_line(tmp_path):
 
 
 def test_cli_json_plot_and_trace_for_the_monitor(tmp_path, capsys):
-    from pagedkv.core.cli import main
+    from pagedkv.cli.main import main
     from pagedkv.monitor.trace import replay
 
     png, trace = tmp_path / "blocks.png", tmp_path / "sim.ndjson"
@@ -243,7 +243,7 @@ def test_progress_counts_finished_requests_for_each_run_up_to_the_total():
 
 
 def test_cli_no_decode_lane_reports_the_same_figures(capsys):
-    from pagedkv.core.cli import main
+    from pagedkv.cli.main import main
 
     reports = []
     for extra in ([], ["--no-decode-lane"]):
