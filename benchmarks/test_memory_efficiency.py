@@ -2,7 +2,8 @@
 
 Run: ``python -m pytest benchmarks/test_memory_efficiency.py --benchmark-only -q -s``.
 
-Every figure comes from ``pagedkv.core.sim.simulate.run_once``, i.e. ``Engine(config, simulate=...)``:
+Every figure comes from ``pagedkv.core.sim.simulate.run_once``, i.e.
+``SimEngine(config, runner=SimulatedRunner(shape))``:
 the real block pool, allocator, FCFS scheduler and plugins, with a stand-in runner that only
 counts tokens (no model). The model shape is SmolLM2-135M's (``SimSetup``'s default), KV in
 bfloat16: 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 bytes per token.

@@ -23,13 +23,14 @@ from pagedkv.core.invariants import check_invariants
 from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
 from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
+from pagedkv.core.request_check import check_prompt
 from pagedkv.core.runner import Runner
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import SchedulerOutput
-from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence
+from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats, tokens_held
-from pagedkv.core.stop_check import StopCheck
+from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
 
 log = logging.getLogger("pagedkv")
 
@@ -93,7 +94,7 @@ class Engine:
         ) else None
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
         self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
-        self.eos_token_ids: frozenset[int] = _eos_ids(model, tokenizer) if model is not None else frozenset()
+        self.eos_token_ids: frozenset[int] = eos_token_ids_of(model, tokenizer)
         self.stop_check = StopCheck(self.eos_token_ids, tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
@@ -142,7 +143,7 @@ class Engine:
         """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
         params = params or SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
-        self._validate(token_ids)
+        check_prompt(token_ids, self.vocab_size, self.max_model_len, self.num_blocks, self.config.block_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -180,25 +181,6 @@ class Engine:
         )
         self._seq_keys[seq.seq_id] = next(self._ids)
         return seq
-
-    def _validate(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise RequestRejected("the prompt is empty; give at least one token")
-        plain_ints = set(map(type, token_ids)) == {int}  # C-speed check for the usual case
-        if not plain_ints and not all(isinstance(t, int) for t in token_ids) or not (
-            0 <= min(token_ids) and max(token_ids) < self.vocab_size
-        ):
-            raise RequestRejected(f"prompt token ids must be integers in 0..{self.vocab_size - 1}")
-        if len(token_ids) > self.max_model_len:
-            if self.max_model_len == self.capacity_tokens:
-                raise RequestRejected(
-                    f"the prompt has {len(token_ids)} tokens but the whole KV cache holds only "
-                    f"{self.capacity_tokens} ({self.num_blocks} blocks of {self.config.block_size}); "
-                    "give a larger KV budget or a shorter prompt"
-                )
-            raise RequestRejected(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
@@ -286,7 +268,7 @@ class Engine:
             seqs = self._groups[request_id]
             finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             if finished or stream:
-                outputs.append(self._make_output(request_id, seqs, finished))
+                outputs.append(RequestOutput.of(request_id, seqs, finished, self.tokenizer))
             if finished:
                 del self._groups[request_id]
                 for seq in seqs:
@@ -320,24 +302,6 @@ class Engine:
         forks = self._fork_hook is not None
         return tokens_held(self.scheduler, self.pool, self.config.block_size, self._sharing, forks)
 
-    def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
-        completions = []
-        for index, seq in enumerate(seqs):
-            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                seq.output_text = self._decode(seq.output_token_ids)
-            completions.append(
-                CompletionOutput(
-                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
-                )
-            )
-        first = seqs[0]
-        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
     def _forget(self, seq: Sequence) -> None:
         key = self._seq_keys.pop(seq.seq_id, None)
         if key is not None:
@@ -346,16 +310,3 @@ class Engine:
     def check_invariants(self) -> None:
         """See :func:`pagedkv.core.invariants.check_invariants`."""
         check_invariants(self)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        ids.update(value if isinstance(value, (list, tuple)) else [value])
-        break
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.block_table import BlockTable
 from pagedkv.core.sampling_params import SamplingParams
@@ -101,3 +102,19 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids
+
+    @classmethod
+    def of(cls, request_id: str, seqs: list[Sequence], finished: bool, tokenizer: Any = None) -> RequestOutput:
+        """A request's output now: each sample's tokens, and its text (cut at a stop string, if one ended it)."""
+        completions = []
+        for index, seq in enumerate(seqs):
+            if not isinstance(seq.stop_reason, str):
+                ids = seq.output_token_ids
+                seq.output_text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+            completions.append(
+                CompletionOutput(
+                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
+                )
+            )
+        first = seqs[0]
+        return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)

@@ -50,3 +50,19 @@ class StopCheck:
         if len(seq.output_token_ids) >= p.min_tokens:
             return []
         return ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids)
+
+
+def eos_token_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence ids (generation config first, then model config, then tokenizer)."""
+    if model is None:
+        return frozenset()
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+        break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

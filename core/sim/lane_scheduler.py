@@ -135,7 +135,9 @@ class DecodeLaneScheduling:
         new_blocks = {s: allocator.num_new_blocks(s, g) for s, g in zip(outside, grants)}
         needed = len(due) + sum(new_blocks.values())
         if needed > allocator.pool.num_available:
-            return None
+            if grants is not wants or allocator.hooks is not None:
+                return None  # a preemption would change what the rationed budget gives: go one by one
+            return self._step_lane_preempting(out, budget, due, outside, wants)
         out.lane_decodes, out.lane_context = members, lane.tokens()
         order = sorted(due + outside[: len(grants)], key=_run_order) if grants else due
         if allocator.hooks is None:  # in running order: the block ids the one-by-one loop would give
@@ -159,6 +161,45 @@ class DecodeLaneScheduling:
         lane.take_crossings(due)
         self.quiet = not due and not outside
         return budget - members - sum(grants)
+
+    def _step_lane_preempting(
+        self, out: LaneOutput, budget: int, due: list[Sequence], outside: list[Sequence], wants: list[int]
+    ) -> int:
+        """The lane step when its new blocks do not all fit (no plugins, the whole batch within budget).
+
+        As FCFS's loop: in running order, each sequence that needs blocks gets them, or the newest
+        running sequence is preempted until they fit (or it was the one that needed them). Members
+        not crossing need nothing; preempted ones leave the lane (materialized) as in one-by-one stepping.
+        """
+        lane, allocator = self.lane, self.allocator
+        pool = allocator.pool
+        want = dict(zip(outside, wants))
+        for seq in sorted(due + outside, key=_run_order):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted already, as the newest
+            num_new = want.get(seq)
+            while True:
+                if num_new is not None:
+                    if allocator.allocate_slots(seq, num_new):
+                        break
+                elif pool.num_available:  # a member crossing into its next block
+                    seq.block_table.blocks.extend(pool.allocate_many(1, seq.request_id))
+                    break
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing newer is left to run
+        members = len(lane.members)
+        out.lane_decodes, out.lane_context = members, lane.tokens()
+        used = 0
+        for seq in outside:
+            if seq.status is SequenceStatus.RUNNING:
+                out.scheduled.append(ScheduledSeq(seq, want[seq], seq.num_computed_tokens))
+                used += want[seq]
+        lane.take_crossings([s for s in due if s in lane.members])
+        return budget - members - used
 
     def update_from_output(self, out: LaneOutput, samples: list[tuple[Sequence, int]]) -> StepUpdate:
         """FCFS's bookkeeping, with lane members touched only when they fill a block or finish.
