@@ -9,7 +9,6 @@ engine then reports outputs and events.
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import replace
 from typing import Any
 
@@ -31,8 +30,6 @@ from pagedkv.core.scheduler import SchedulerOutput
 from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
-
-log = logging.getLogger("pagedkv")
 
 
 class Engine:
@@ -65,17 +62,12 @@ class Engine:
         scheduler_entry = schedulers.get(config.scheduler)
 
         self.backend = None
-        if runner is not None:
-            hf_config = runner.model_config
-        else:
-            if model is None:
-                from pagedkv.core.model_loader import load_model
+        if runner is None:
+            from pagedkv.core.model_loader import prepare_model
 
-                model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
-            else:
-                model = model.to(device=config.device, dtype=config.dtype).eval()
-            hf_config = model.config
+            model, tokenizer = prepare_model(config, model, tokenizer)
             self.backend = backend_entry.factory(config)
+        hf_config = runner.model_config if runner is not None else model.config
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
@@ -89,9 +81,8 @@ class Engine:
         alloc_hooks = self.pm.hook if self._any_impl("pagedkv_match_prefix", "pagedkv_copy_on_write") else None
         self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
         self._sharing = alloc_hooks is not None
-        self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if has_impls(
-            self.pm, "pagedkv_fork_after_prefill"
-        ) else None
+        forks = has_impls(self.pm, "pagedkv_fork_after_prefill")
+        self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if forks else None
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
         self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
         self.eos_token_ids: frozenset[int] = eos_token_ids_of(model, tokenizer)
@@ -164,15 +155,8 @@ class Engine:
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
 
-    def _new_sequence(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        index: int,
-        text: str | None,
-        cache_salt: str | None,
-    ) -> Sequence:
+    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
+                      text: str | None, cache_salt: str | None) -> Sequence:
         """Sample ``index`` of a request; with a seed, sample i uses seed + i."""
         if params.n > 1 and params.seed is not None:
             params = replace(params, seed=params.seed + index)

@@ -313,17 +313,22 @@ class FCFSScheduler:
             self.on_block_full(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
 
     def _take_token(self, seq: Sequence, token: int, update: StepUpdate) -> None:
-        """One sequence's new token: append it, finish the sequence if it ends there.
-
-        Per sequence, so a later change can make it transactional (a failure ends this request alone).
-        """
+        """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
+        a failure ends its request alone; a failing sampler is not contained yet: see the engine's ``_sample``)."""
         seq.output_token_ids.append(token)
         update.generated += 1
         self._finish_if_done(seq, token, update)
 
     def _finish_if_done(self, seq: Sequence, token: int, update: StepUpdate) -> None:
+        """Finish ``seq`` if ``token`` (appended already) ends it; a failing check ends this request alone."""
         update.touched[seq.request_id] = None
-        ended = self.stop_check(seq, token)
+        try:
+            ended = self.stop_check(seq, token)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on a stop string: not the others' problem
+            seq.output_token_ids.pop()  # the token was never accepted
+            update.generated -= 1
+            self.fail(seq, RuntimeError(f"the stop check failed: {type(exc).__name__}: {exc}"))
+            return
         if ended is not None:
             seq.stop_reason = ended[1]
             self.finish(seq, ended[0])

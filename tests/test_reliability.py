@@ -163,3 +163,34 @@ def test_static_allocator_reserves_up_front_so_it_never_preempts_even_with_swap_
     assert set(results) == set(ids)
     assert engine.stats.preemptions == 0 and engine.stats.peak_running == 3  # 12 blocks / 4 per request
     all_blocks_back(engine)
+
+
+class _FlakyTokenizer:
+    """Decodes to a fixed text, except that its first call fails (a stop-string check runs first)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        if self.calls == 1:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return "ok " * len(ids)
+
+
+def test_a_failing_stop_check_ends_only_its_request_with_an_error():
+    tokenizer = _FlakyTokenizer()
+    engine = Engine(EngineConfig(device="cpu", num_blocks=32, block_size=4), tokenizer=tokenizer,
+                    runner=SimulatedRunner(SIM_MODEL))
+    broken = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, stop=["never"]))
+    fine = engine.add_request([4, 5], SamplingParams(max_tokens=6, ignore_eos=True))
+    first = {o.request_id: o for o in engine.step()}
+    assert first[broken].finished and first[broken].outputs[0].finish_reason == "error"
+    error = first[broken].outputs[0].error
+    assert "stop check failed" in error and "UnicodeDecodeError" in error
+    assert first[broken].outputs[0].token_ids == []  # the token the failed check saw was not accepted
+    assert not first[fine].finished and len(first[fine].outputs[0].token_ids) == 1
+    outs, _ = drain(engine)
+    assert outs[fine].outputs[0].finish_reason == "length" and len(outs[fine].outputs[0].token_ids) == 6
+    assert engine.stats.failed == 1 and engine.stats.generated_tokens == 6
+    all_blocks_back(engine)
