@@ -186,6 +186,9 @@ class Engine:
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one engine step. Returns outputs of requests that finished (and, if
         ``stream``, of those that produced a token)."""
+        return self._step(stream)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
         scheduler = self.scheduler
         out = scheduler.schedule()
         touched: dict[str, None] = {}
@@ -208,8 +211,21 @@ class Engine:
         return self._emit(touched, stream)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-        """A token for every sequence whose step computed its last token (forked samples first split off:
-        they share their parent's logits row but draw with their own generators)."""
+        """A token for every sequence whose step computed its last token."""
+        return self._draw(*self._sampling(out), logits)
+
+    def _draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+        if not seqs:
+            return []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        banned = [self.stop_check.banned(s) if s.params.min_tokens else () for s in seqs]
+        tokens = self.sampler.sample(logits, seqs, lambda s: self._seq_keys[s.seq_id], banned)
+        return list(zip(seqs, tokens))
+
+    def _sampling(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
+        """The sequences that sample and their logits rows (forked samples split off first: they share
+        their parent's row but draw with their own generators)."""
         seqs: list[Sequence] = []
         rows: list[int] = []  # logits row of each sampling sequence
         row = 0
@@ -220,13 +236,7 @@ class Engine:
                     seqs.append(sample)
                     rows.append(row)
                 row += 1
-        if not seqs:
-            return []
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        banned = [self.stop_check.banned(s) if s.params.min_tokens else () for s in seqs]
-        tokens = self.sampler.sample(logits, seqs, lambda s: self._seq_keys[s.seq_id], banned)
-        return list(zip(seqs, tokens))
+        return seqs, rows
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After its prefill, split a parent into its n samples, sharing every block."""

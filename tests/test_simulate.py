@@ -255,3 +255,28 @@ def test_cli_no_decode_lane_reports_the_same_figures(capsys):
         reports.append(report)
     assert reports[0]["paged"]["finished"] == 60
     assert reports[0] == reports[1]
+
+
+def test_static_run_beside_the_paged_one_gives_the_same_report():
+    wl = builtin_workload("sharegpt", 150, seed=4)
+    setup = SimSetup(num_blocks=600, max_num_seqs=32, max_model_len=2048)
+    reports = [simulate(wl, setup, parallel=parallel) for parallel in (False, True)]
+    for report in reports:
+        for run in ("paged", "static"):
+            report[run].pop("wall_s")
+    assert reports[0]["static"]["finished"] == 150
+    assert reports[0] == reports[1]
+
+
+def test_a_failure_in_the_side_run_is_raised_in_the_parent():
+    from pagedkv.core.sim.side_run import SideRun, can_fork
+
+    if not can_fork():
+        pytest.skip("no fork on this platform")
+
+    def broken(progress):
+        raise SimulationError("the static run broke")
+
+    with pytest.raises(SimulationError, match="static run broke"):
+        SideRun(broken, report_progress=False).result()
+    assert SideRun(lambda progress: {"ok": [1, 2]}, report_progress=False).result() == {"ok": [1, 2]}

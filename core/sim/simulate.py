@@ -410,17 +410,33 @@ def simulate(
     sweeps: list[tuple[str, list[int]]] = (),
     progress: Callable[[str, int, int], None] | None = None,
     after_run: Callable[[Any], None] | None = None,
+    parallel: bool = True,
 ) -> dict:
     """Paged run (with ``setup.trace``; ``after_run`` is called on its engine), the static baseline,
-    and any sweeps, as one dict."""
+    and any sweeps, as one dict. With ``parallel`` (and two cores), the static run goes in a forked
+    child beside the paged one (:mod:`pagedkv.core.sim.side_run`); the figures are the same."""
+    from pagedkv.core.sim.side_run import SideRun, can_fork
     from pagedkv.core.sim.workload import describe
 
-    paged = run_once(workload, replace(setup, allocator="paged"), step_time, progress=_labelled(progress, "paged"),
+    static_setup = replace(setup, allocator="static", trace=None)
+    side = None
+    if compare_static and parallel and can_fork():
+        side = SideRun(lambda report: run_once(workload, static_setup, step_time, progress=report),
+                       report_progress=progress is not None)
+    paged_progress = _labelled(progress, "paged")
+    if side is not None and paged_progress is not None:
+        static_progress, own = _labelled(progress, "static"), paged_progress
+
+        def paged_progress(done: int, total: int) -> None:
+            own(done, total)
+            side.poll(static_progress)
+
+    paged = run_once(workload, replace(setup, allocator="paged"), step_time, progress=paged_progress,
                      after_run=after_run)
     report: dict[str, Any] = {"workload": describe(workload), "paged": paged}
-    if compare_static:
-        report["static"] = run_once(
-            workload, replace(setup, allocator="static", trace=None), step_time, progress=_labelled(progress, "static")
-        )
+    if side is not None:
+        report["static"] = side.result(_labelled(progress, "static"))
+    elif compare_static:
+        report["static"] = run_once(workload, static_setup, step_time, progress=_labelled(progress, "static"))
     report["sweeps"] = [run_sweep(workload, setup, step_time, key, values, progress) for key, values in sweeps]
     return report
