@@ -9,7 +9,6 @@ engine then reports outputs and events.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,11 +34,9 @@ from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
 class Engine:
     """Streaming inference over a paged KV cache.
 
-    ``model``/``tokenizer`` may be given already loaded (tests build tiny ones);
-    otherwise ``config.model`` is loaded offline. With ``runner`` (see
-    :class:`~pagedkv.core.runner.Runner`) no model is loaded at all: the runner's
-    ``model_config`` sizes the cache and the runner computes each step
-    (``engine simulate`` gives one that only counts tokens).
+    ``model``/``tokenizer`` may be given already loaded (tests build tiny ones); otherwise
+    ``config.model`` is loaded offline. With ``runner`` (a :class:`~pagedkv.core.runner.Runner`)
+    no model is loaded: its ``model_config`` sizes the cache and it computes each step.
     """
 
     def __init__(
@@ -54,13 +51,12 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
         self.pm.hook.pagedkv_configure(config=config, pm=self.pm)
-        backends = build_registry(self.pm, "backend", "pagedkv_register_backends")
-        allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators")
-        schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers")
-        backend_entry = backends.get(config.backend)  # fail on a bad name before loading anything
-        allocator_entry = allocators.get(config.allocator)
-        scheduler_entry = schedulers.get(config.scheduler)
-
+        # each registry's entry for the configured name: a bad name fails before anything is loaded
+        backend_entry, allocator_entry, scheduler_entry = (
+            build_registry(self.pm, kind, f"pagedkv_register_{kind}s").get(name)
+            for kind, name in (("backend", config.backend), ("allocator", config.allocator),
+                               ("scheduler", config.scheduler))
+        )
         self.backend = None
         if runner is None:
             from pagedkv.core.model_loader import prepare_model
@@ -85,8 +81,7 @@ class Engine:
         self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if forks else None
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
         self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
-        self.eos_token_ids: frozenset[int] = eos_token_ids_of(model, tokenizer)
-        self.stop_check = StopCheck(self.eos_token_ids, tokenizer)
+        self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         if runner is None:
@@ -101,6 +96,10 @@ class Engine:
         self._ids = itertools.count()
         self.pm.hook.pagedkv_engine_started(engine=self)
 
+    eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
+                             lambda self, ids: setattr(self.stop_check, "eos_token_ids", frozenset(ids)),
+                             doc="The model's end-of-sequence ids (kept by the stop check).")
+
     def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
         return entry.factory(self.config, self.allocator, self.events, hooks)
 
@@ -108,21 +107,21 @@ class Engine:
         return any(has_impls(self.pm, name) for name in hook_names)
 
     def capacity_line(self) -> str:
-        c = self.config
-        return (
-            f"KV cache: {self.num_blocks} blocks of {c.block_size} tokens = {self.capacity_tokens} tokens; "
-            f"max concurrency for {self.max_model_len}-token requests: "
-            f"{self.capacity_tokens / self.max_model_len:.2f}x"
-        )
+        return (f"KV cache: {self.num_blocks} blocks of {self.config.block_size} tokens = {self.capacity_tokens} "
+                f"tokens; max concurrency for {self.max_model_len}-token requests: "
+                f"{self.capacity_tokens / self.max_model_len:.2f}x")
 
     # --- requests -------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
+        """(text, token ids) of a prompt; raises :class:`RequestRejected` if it can never run here."""
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        if text is not None:
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs a tokenizer; pass token ids instead")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        return None, list(prompt)
+            ids = list(self.tokenizer(text)["input_ids"])
+        check_prompt(ids, self.vocab_size, self.max_model_len, self.num_blocks, self.config.block_size)
+        return text, ids
 
     def add_request(
         self,
@@ -134,7 +133,6 @@ class Engine:
         """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
         params = params or SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
-        check_prompt(token_ids, self.vocab_size, self.max_model_len, self.num_blocks, self.config.block_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -157,12 +155,7 @@ class Engine:
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                       text: str | None, cache_salt: str | None) -> Sequence:
-        """Sample ``index`` of a request; with a seed, sample i uses seed + i."""
-        if params.n > 1 and params.seed is not None:
-            params = replace(params, seed=params.seed + index)
-        seq = Sequence(
-            request_id, list(token_ids), params, max_len=self.max_model_len, prompt=text, cache_salt=cache_salt
-        )
+        seq = Sequence.sample_of(request_id, token_ids, params, index, self.max_model_len, text, cache_salt)
         self._seq_keys[seq.seq_id] = next(self._ids)
         return seq
 
@@ -232,14 +225,15 @@ class Engine:
         for item in out.scheduled:
             if item.samples:
                 seq = item.seq
-                for sample in [seq, *self._fork(seq)] if seq.pending_forks else (seq,):
+                forked = self._fork(seq, item.context_len + item.num_new_tokens) if seq.pending_forks else ()
+                for sample in (seq, *forked):
                     seqs.append(sample)
                     rows.append(row)
                 row += 1
         return seqs, rows
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """After its prefill, split a parent into its n samples, sharing every block."""
+    def _fork(self, parent: Sequence, computed: int) -> list[Sequence]:
+        """After its prefill, split a parent into its n samples sharing every block and ``computed`` tokens."""
         group = self._groups[parent.request_id]
         children = []
         for _ in range(parent.pending_forks):
@@ -248,6 +242,7 @@ class Engine:
                 parent.request_id, parent.prompt_token_ids, parent.params, len(group), parent.prompt, parent.cache_salt
             )
             self.allocator.fork(parent, child)
+            child.num_computed_tokens = computed
             self.scheduler.add_running(child)
             group.append(child)
             children.append(child)
@@ -286,10 +281,7 @@ class Engine:
 
     def plugin_stats(self) -> dict[str, Any]:
         """Every plugin's counters (``pagedkv_report_stats``), merged."""
-        merged: dict[str, Any] = {}
-        for answer in Observers(self.pm, "pagedkv_report_stats")():
-            merged.update(answer)
-        return merged
+        return {k: v for answer in Observers(self.pm, "pagedkv_report_stats")() for k, v in answer.items()}
 
     def tokens_held(self) -> int:
         """Computed tokens in used blocks, counting a shared block once (for KV waste)."""
