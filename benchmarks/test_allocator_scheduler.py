@@ -8,9 +8,9 @@ engine's default hot path). Their baseline, in the same group and the same run, 
 work a pool cannot avoid (a ``deque`` pop + a list store, and the reverse), so the ratio says how much the
 pool's bookkeeping (ref counts, event calls, checks) adds on top of Python itself.
 
-Scheduler steps run through ``Engine(config, simulate=SmolLM2 shape)``: N sequences with 256-token prompts,
-prefilled by the simulator, then timed decode steps (one token each, nothing finishing). ``engine.step()``
-is the whole CPU side of a step without the model (schedule, the stand-in runner, sampling of a
+Scheduler steps run through ``Engine(config, runner=SimulatedRunner(SmolLM2 shape))``: N sequences with
+256-token prompts, prefilled by the simulator, then timed decode steps (one token each, nothing finishing).
+``engine.step()`` is the whole CPU side of a step without the model (schedule, the stand-in runner, sampling of a
 one-column logits tensor, appending tokens, the finish checks, stats); ``scheduler.schedule()`` is timed
 inside it, and ``ModelRunner.build_metadata`` (the attention metadata a real step builds) is timed on the
 same step's output. The baseline is one bare Python pass over the N running sequences reading two
@@ -142,24 +142,15 @@ def decoding_engine(n: int):
     """A simulated engine with ``n`` sequences past their prefill, each decoding one token per step."""
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.simulate import SimSetup
-    from pagedkv.core.simulated_runner import SimulatedRunner
-
-    class Recording(SimulatedRunner):
-        last = None
-
-        def execute(self, out):
-            self.last = out
-            return super().execute(out)
+    from pagedkv.core.sim.simulate import SimSetup
+    from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
     blocks = n * (-(-(PROMPT + 64) // 16))
     engine = Engine(
         EngineConfig(num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=n * PROMPT, block_size=16,
                      max_model_len=PROMPT + 1000),
-        simulate=SimSetup().model_config,  # SmolLM2-135M's shape, the simulator's default
-        decode_lane=False,  # this suite times the one-by-one step (what a real engine runs)
+        runner=SimulatedRunner(SimSetup().model_config),  # SmolLM2-135M's shape; a plain Engine steps one by one
     )
-    engine.runner = Recording()
     for i in range(n):
         engine.add_request([2 + i % 1000] + [0] * (PROMPT - 1), SamplingParams(max_tokens=500, ignore_eos=True))
     engine.step(stream=False)  # the prefill of all n

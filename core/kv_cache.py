@@ -1,4 +1,4 @@
-"""KV cache shape, sizing from a byte budget, and allocation."""
+"""KV cache shape, sizing (blocks from a byte budget or GPU profiling, max_model_len), and allocation."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedkv.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,3 +42,51 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[
         (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
+
+
+# --- sizing: how many blocks, how long a request may be -------------------------------------------------------
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_GPU_UTILIZATION = 0.9
+
+
+def decide_num_blocks(config: Any, spec: KVCacheSpec, model: Any = None) -> int:
+    """Blocks for the configured budget: ``num_blocks``, else ``kv_cache_memory``, else (CUDA) what the
+    GPU has left after the model's largest step, else 1 GiB on CPU."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory is not None:
+        budget = int(config.kv_cache_memory)
+    elif config.device.startswith("cuda") and model is not None:
+        budget = profile_gpu_budget(model, config, config.gpu_memory_utilization or DEFAULT_GPU_UTILIZATION)
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    blocks = budget // spec.bytes_per_block
+    if blocks < 1:
+        raise ConfigError(
+            f"the KV budget ({budget} bytes) is below one block ({spec.bytes_per_block} bytes at block_size "
+            f"{config.block_size}); give a larger kv_cache_memory or a smaller block_size"
+        )
+    return blocks
+
+
+def profile_gpu_budget(model: Any, config: Any, utilization: float) -> int:
+    """vLLM's way: run the largest step once, then give the KV cache what is left."""
+    device = torch.device(config.device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    tokens = min(config.max_num_batched_tokens, 2048)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=device), use_cache=False)
+    peak = torch.cuda.max_memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * utilization) - peak
+
+
+def decide_max_model_len(config: Any, hf_config: Any, capacity_tokens: int) -> int:
+    """The configured or the model's limit, and never more than the whole cache holds."""
+    model_limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    wanted = config.max_model_len
+    if wanted is not None and model_limit is not None and wanted > model_limit:
+        raise ConfigError(f"max_model_len {wanted} is above the model's limit of {model_limit} positions")
+    return min(wanted or model_limit or capacity_tokens, capacity_tokens)

@@ -52,7 +52,7 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         engine = self.engine
         for prompt in prompts:
-            engine._validate(engine.encode_prompt(prompt)[1])
+            engine.encode_prompt(prompt)  # (raises if it can never run)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None

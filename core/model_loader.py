@@ -102,3 +102,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: str) -> tuple[Any,
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
         raise ConfigError(f"cannot load a causal LM from {path}: {type(exc).__name__}: {exc}") from exc
     return hf_model, tokenizer, path
+
+
+def prepare_model(config: Any, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
+    """``config.model`` loaded offline, or the given model moved to the configured device and dtype."""
+    if model is None:
+        model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+        return model, tokenizer
+    return model.to(device=config.device, dtype=config.dtype).eval(), tokenizer

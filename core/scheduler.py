@@ -9,12 +9,9 @@ it goes back to the front of the queue to be recomputed later; a plugin may
 choose to swap it out to CPU memory instead (``pagedkv_choose_preemption``),
 and swapped sequences come back before any new request is admitted.
 
-A simulated engine attaches a :class:`~pagedkv.core.decode_lane.DecodeLane`:
-sequences in steady decode then need no per-step work, and the running phase
-touches only those crossing a block boundary and those outside the lane. When
-that shortcut could decide differently (a preemption is possible, or the budget
-does not cover the whole batch) the lane is flushed and the step runs one
-sequence at a time, as without it.
+After the model ran and tokens were sampled, :meth:`FCFSScheduler.update_from_output`
+does the step's bookkeeping (vLLM's name; nano-vllm's ``postprocess``): computed counters,
+full-block reports, new tokens, finishes.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 from pagedkv.core.events import EventLog
 from pagedkv.core.plugin_guard import PluginFault, call_decision
 from pagedkv.core.sequence import Sequence, SequenceStatus
+from pagedkv.core.stop_check import StopCheck
 
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
 _run_order = attrgetter("run_order")
@@ -53,16 +52,24 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    lane_decodes: int = 0  # decode-lane sequences also stepped (one token each); not in ``scheduled``
-    lane_context: int = 0  # their cached tokens before this step, summed
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled) + self.lane_decodes
+        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.lane_decodes
+        return not self.scheduled
+
+
+@dataclass
+class StepUpdate:
+    """What :meth:`FCFSScheduler.update_from_output` did, for the engine's outputs and counters."""
+
+    touched: dict[str, None] = field(default_factory=dict)  # request ids that sampled or finished, in order
+    generated: int = 0  # tokens appended
+    prefill_tokens: int = 0  # prompt tokens computed
+    finished: int = 0
 
 
 @dataclass
@@ -90,8 +97,14 @@ class FCFSScheduler:
         self.tokens_discarded = 0  # by preemptions by recompute, over the whole run
         self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
         self.step_index = 0
-        self.lane: Any = None  # a DecodeLane, attached by a simulated engine
+        self.stop_check = StopCheck()  # the engine's (EOS ids, tokenizer for stop strings): see ``connect``
+        self.on_block_full: Callable[..., Any] | None = None  # ``pagedkv_on_block_full`` observers, if any
         self._run_orders = itertools.count()
+
+    def connect(self, stop_check: StopCheck, on_block_full: Callable[..., Any] | None) -> None:
+        """The engine's end-of-sequence rule and full-block observers, used by :meth:`update_from_output`."""
+        self.stop_check = stop_check
+        self.on_block_full = on_block_full or None
 
     # --- queue management ---------------------------------------------------------------------
 
@@ -107,8 +120,6 @@ class FCFSScheduler:
         seq.status = SequenceStatus.RUNNING
         seq.run_order = next(self._run_orders)  # so the running list is always sorted by run_order
         self.running.append(seq)
-        if self.lane is not None:
-            self.lane.enter(seq)
 
     def _remove_running(self, seq: Sequence) -> None:
         """O(log n) to find: the running list is sorted by run_order (a linear search is the fallback)."""
@@ -128,8 +139,6 @@ class FCFSScheduler:
         status = seq.status
         if status is SequenceStatus.RUNNING:
             self._remove_running(seq)
-            if self.lane is not None:
-                self.lane.discard(seq)
         elif status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif status is SequenceStatus.SWAPPED:
@@ -144,15 +153,15 @@ class FCFSScheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        lane = self.lane
-        if lane is not None and lane.members:
-            left = self._schedule_with_lane(lane, out)
-            if left is not None:
-                return self._finish_schedule(out, left)
-            lane.flush()  # this step may preempt or ration the budget: take it one sequence at a time
+        out = self.new_output()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        return self._finish_schedule(out, budget)
 
+    def new_output(self) -> SchedulerOutput:
+        return SchedulerOutput()
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, oldest first, each its next chunk; preempt the newest when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -173,7 +182,7 @@ class FCFSScheduler:
             if seq.is_finished:
                 continue  # it left the running list; the next one moved up to index i
             break  # the sequence preempted itself: nothing newer is left to run
-        return self._finish_schedule(out, budget)
+        return budget
 
     def _finish_schedule(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
         """After the running phase: swapped sequences back, then new ones, then the step's copies."""
@@ -187,58 +196,6 @@ class FCFSScheduler:
             for item in out.scheduled:
                 self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
         return out
-
-    def _schedule_with_lane(self, lane: Any, out: SchedulerOutput) -> int | None:
-        """The running phase with a decode lane; returns the budget left, or None if the step must go one by one.
-
-        Every lane member gets its one token; the few running sequences outside the lane get
-        what the one-by-one loop would give them. Blocks are handed out in running order, as
-        that loop does, so block ids come out the same. Declines when the budget would run
-        out before a lane member or when the step's new blocks might not all fit.
-        """
-        budget = self.max_num_batched_tokens
-        members = len(lane.members)
-        outside = sorted(lane.outside, key=_run_order) if lane.outside else []
-        wants = [s.num_tokens - s.num_computed_tokens for s in outside]
-        if members + sum(wants) <= budget:
-            grants = wants
-        elif members < budget and outside[0].run_order > lane.newest:  # every member is ahead of them
-            left, grants = budget - members, []
-            for want in wants:
-                if left <= 0:
-                    break
-                grants.append(min(want, left))
-                left -= grants[-1]
-        else:
-            return None
-        due = lane.due_crossings()
-        allocator = self.allocator
-        new_blocks = {s: allocator.num_new_blocks(s, g) for s, g in zip(outside, grants)}
-        needed = len(due) + sum(new_blocks.values())
-        if needed > allocator.pool.num_available:
-            return None
-        out.lane_decodes, out.lane_context = members, lane.tokens()
-        order = sorted(due + outside[: len(grants)], key=_run_order) if grants else due
-        if allocator.hooks is None:  # in running order: the block ids the one-by-one loop would give
-            pool = allocator.pool
-            batch = None if pool.events.enabled else iter(pool.allocate_many(needed))  # (events name owners)
-            for seq in order:
-                count = new_blocks.get(seq, 1)  # a lane member crossing into a new block needs one
-                if count:
-                    blocks = itertools.islice(batch, count) if batch else pool.allocate_many(count, seq.request_id)
-                    seq.block_table.blocks.extend(blocks)
-        else:  # plugins see each allocation as the one-by-one loop makes it (reclaiming cached blocks, ...)
-            granted = dict(zip(outside, grants))
-            for seq in order:
-                num_new = granted.get(seq)
-                if num_new is None:
-                    seq.block_table.append(allocator.pool.allocate(seq.request_id))
-                elif not allocator.allocate_slots(seq, num_new):
-                    raise RuntimeError("blocks counted as available could not be allocated; this is a bug in pagedkv")
-        for seq, num_new in zip(outside, grants):
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-        lane.take_crossings(due)
-        return budget - members - sum(grants)
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         """``allocator.allocate_slots``, failing just this sequence if a plugin breaks."""
@@ -296,8 +253,6 @@ class FCFSScheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
-        if self.lane is not None:
-            self.lane.discard(seq)  # it has left the running list already
         choice = None
         try:
             if self.hooks is not None:
@@ -325,3 +280,56 @@ class FCFSScheduler:
         self.preemptions.append(PreemptionRecord(seq.request_id, self.step_index, discarded))
         self.tokens_discarded += discarded
         self.events.emit("request_preempt", request=seq.request_id, tokens_discarded=discarded)
+
+    # --- after the step: bookkeeping ------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, samples: list[tuple[Sequence, int]]) -> StepUpdate:
+        """The step ran and ``samples`` (sequence, token) were drawn: count computed tokens, report full
+        blocks, append the tokens and finish the sequences they end, in scheduled order."""
+        update = StepUpdate()
+        for item in out.scheduled:
+            self._advance(item.seq, item.num_new_tokens, update)
+        for seq, token in samples:
+            self._take_token(seq, token, update)
+        return update
+
+    def computed_tokens(self) -> int:
+        """Computed tokens over the running sequences (each counted in full)."""
+        return sum(s.num_computed_tokens for s in self.running)
+
+    def _advance(self, seq: Sequence, num_new: int, update: StepUpdate) -> None:
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = after = before + num_new
+        prompt_len = len(seq.prompt_token_ids)
+        if before < prompt_len:
+            update.prefill_tokens += min(after, prompt_len) - before
+        if self.on_block_full is not None:
+            self._report_full_blocks(seq, before)
+
+    def _report_full_blocks(self, seq: Sequence, before: int) -> None:
+        """``pagedkv_on_block_full`` for every block the tokens past ``before`` completed."""
+        bs = self.allocator.block_size
+        for logical in range(before // bs, seq.num_computed_tokens // bs):
+            self.on_block_full(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
+
+    def _take_token(self, seq: Sequence, token: int, update: StepUpdate) -> None:
+        """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
+        a failure ends its request alone; a failing sampler is not contained yet: see the engine's ``_sample``)."""
+        seq.output_token_ids.append(token)
+        update.generated += 1
+        self._finish_if_done(seq, token, update)
+
+    def _finish_if_done(self, seq: Sequence, token: int, update: StepUpdate) -> None:
+        """Finish ``seq`` if ``token`` (appended already) ends it; a failing check ends this request alone."""
+        update.touched[seq.request_id] = None
+        try:
+            ended = self.stop_check(seq, token)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on a stop string: not the others' problem
+            seq.output_token_ids.pop()  # the token was never accepted
+            update.generated -= 1
+            self.fail(seq, RuntimeError(f"the stop check failed: {type(exc).__name__}: {exc}"))
+            return
+        if ended is not None:
+            seq.stop_reason = ended[1]
+            self.finish(seq, ended[0])
+            update.finished += 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagedkv.core.block_table import BlockTable
 from pagedkv.core.sampling_params import SamplingParams
@@ -47,6 +48,14 @@ class Sequence:
     error: str | None = None  # why the request failed (finish reason "error")
     run_order: int = 0  # stamped by the scheduler each time it starts running: the running queue's order
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
+
+    @classmethod
+    def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,
+                  prompt: str | None = None, cache_salt: str | None = None) -> Sequence:
+        """Sample ``index`` of a request; with a seed, sample i uses seed + i (as n separate requests would)."""
+        if params.n > 1 and params.seed is not None:
+            params = replace(params, seed=params.seed + index)
+        return cls(request_id, list(token_ids), params, max_len=max_len, prompt=prompt, cache_salt=cache_salt)
 
     @property
     def token_ids(self) -> list[int]:
@@ -101,3 +110,19 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids
+
+    @classmethod
+    def of(cls, request_id: str, seqs: list[Sequence], finished: bool, tokenizer: Any = None) -> RequestOutput:
+        """A request's output now: each sample's tokens, and its text (cut at a stop string, if one ended it)."""
+        completions = []
+        for index, seq in enumerate(seqs):
+            if not isinstance(seq.stop_reason, str):
+                ids = seq.output_token_ids
+                seq.output_text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+            completions.append(
+                CompletionOutput(
+                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
+                )
+            )
+        first = seqs[0]
+        return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -36,3 +37,49 @@ class RunStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+
+def tokens_held(scheduler: Any, pool: Any, block_size: int, sharing: bool, forks: bool) -> int:
+    """Computed tokens in used blocks, counting a shared block once.
+
+    Without sharing, the running sequences' computed tokens. With sharing but no forks (prefix
+    caching), every shared block is full for all its holders. With forks a shared last block
+    may be partly filled: a set union of the full prefixes plus the partial tails not in it.
+    """
+    if not sharing:
+        return scheduler.computed_tokens()
+    if not forks:
+        return scheduler.computed_tokens() - block_size * pool.shared_refs
+    full: set[int] = set()
+    partial: dict[int, int] = {}
+    for seq in scheduler.running:
+        n = seq.num_computed_tokens
+        blocks = seq.block_table.blocks
+        k, rest = divmod(n, block_size)
+        if k:
+            full.update(blocks[:k])
+        if rest and k < len(blocks) and partial.get(blocks[k], 0) < rest:
+            partial[blocks[k]] = rest
+    return block_size * len(full) + sum(f for block_id, f in partial.items() if block_id not in full)
+
+
+def summarize(engine: Any) -> dict:
+    """The run's figures as ``engine run`` and ``engine simulate`` report them."""
+    s = engine.stats
+    return {
+        "requests": s.requests,
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "elapsed_s": round(s.elapsed, 3),
+        "tokens_per_s": round(s.tokens_per_s, 2),
+        "steps": s.steps,
+        "peak_kv_blocks_used": s.peak_blocks_used,
+        "total_kv_blocks": engine.num_blocks,
+        "kv_waste_pct_at_peak": round(100 * s.waste_at_peak, 2),
+        "peak_running": s.peak_running,
+        "preemptions": s.preemptions,
+        "tokens_recomputed": s.tokens_recomputed,
+        "prefill_tokens_computed": s.prefill_tokens_computed,
+        "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
+        **engine.plugin_stats(),
+    }

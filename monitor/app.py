@@ -21,10 +21,11 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Sparkline, Static
 
+from pagedkv.core.telemetry_protocol import ProtocolError
+from pagedkv.core.trace import Trace, TraceError
 from pagedkv.monitor.blockmap import GREY, LOOKS, BlockMap, owner_color
 from pagedkv.monitor.state import CACHED, FREE, SHARED, USED, MonitorState
-from pagedkv.monitor.trace import Trace, TraceError, apply_message
-from pagedkv.plugins.telemetry_protocol import ProtocolError
+from pagedkv.monitor.trace import apply_message
 
 TICK_S = 0.1
 MAX_PENDING = 20_000  # live messages held while paused; beyond this they are dropped (the next keyframe heals)
@@ -335,6 +336,6 @@ _STATE_STYLES = {"running": "bold #87d75f", "waiting": "#ffaf5f", "swapped": "#d
 
 def load_replay(path: str | Path) -> Trace:
     """Read a trace for the dashboard: a bad line ends the replay there, with a banner naming it."""
-    from pagedkv.monitor.trace import read_trace
+    from pagedkv.core.trace import read_trace
 
     return read_trace(path, strict=False)

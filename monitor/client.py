@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv.core.telemetry_protocol import ProtocolError, decode
 from pagedkv.plugins.telemetry_address import Address, parse_address
-from pagedkv.plugins.telemetry_protocol import ProtocolError, decode
 
 
 def connect(address: Address, timeout: float = 2.0) -> socket.socket:

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.connect:
         parse_address(args.connect, allow_port_zero=False)  # refuse a non-loopback address up front
     _need_textual()
+    from pagedkv.core.trace import TraceError
     from pagedkv.monitor.app import MonitorApp, load_replay
-    from pagedkv.monitor.trace import TraceError
 
     if args.replay:
         try:

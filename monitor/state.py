@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.plugins.telemetry_protocol import ProtocolError
+from pagedkv.core.telemetry_protocol import ProtocolError
 
 FREE, USED, SHARED, CACHED = "free", "used", "shared", "cached"
 HISTORY = 120  # points kept for the sparklines
@@ -56,8 +56,6 @@ class MonitorState:
         self.holders: list[list[str]] = []
         self.cpu_holders: dict[int, str] = {}
         self.requests: dict[str, RequestInfo] = {}
-        self.decoding: set[str] = set()  # requests advancing one token per step on their own (protocol v2)
-        self._advancing: set[str] = set()
         self.stats: dict[str, Any] = {}
         self.history: dict[str, deque[float]] = {k: deque(maxlen=HISTORY) for k in ("kv_usage", "waste", "tok_s")}
         self._rate_window: deque[tuple[float, int]] = deque()
@@ -186,7 +184,6 @@ class MonitorState:
                     self.dirty_cpu.add(b)
                 req.cpu_blocks = []
                 self.dirty_requests.add(req.id)
-        self.decoding = set(msg.get("decoding", ())) & set(self.requests)
         for b in range(self.num_blocks):
             if (old_refs[b] != self.refs[b] or (b in old_kept) != (b in self.kept)
                     or old_holders[b] != self.holders[b]):
@@ -203,7 +200,6 @@ class MonitorState:
         if seq != self.seq + 1:
             self._lose_sync()
             return
-        self._advancing = set(self.decoding)  # in the lane through this step: +1 after its events
         for kind, data in msg["events"]:
             handler = _HANDLERS.get(kind)
             if handler is None:
@@ -213,13 +209,7 @@ class MonitorState:
                 handler(self, data)
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"event {kind} {data!r:.80} does not fit the state: {exc!r}") from None
-        for rid in self._advancing & self.decoding:
-            req = self.requests[rid]
-            req.computed += 1
-            req.generated += 1
-            self.dirty_requests.add(rid)
         for rid, progress in msg.get("progress", {}).items():
-            self.decoding.discard(rid)
             req = self.requests.get(rid)
             if req is not None and isinstance(progress, list) and len(progress) == 2:
                 if [req.computed, req.generated] != progress:
@@ -373,16 +363,8 @@ class MonitorState:
             req.state = "running"
             self.dirty_requests.add(req.id)
 
-    def _ev_request_decode(self, d: dict) -> None:
-        req = self._request(str(d["request"]))
-        req.computed, req.generated = int(d["computed"]), int(d["generated"])  # as after this step
-        self.decoding.add(req.id)
-        self._advancing.discard(req.id)
-        self.dirty_requests.add(req.id)
-
     def _ev_request_preempt(self, d: dict) -> None:
         req = self._request(str(d["request"]))
-        self.decoding.discard(req.id)
         req.state = "waiting"
         req.preemptions += 1
         req.computed = 0
@@ -390,7 +372,6 @@ class MonitorState:
 
     def _ev_request_finish(self, d: dict) -> None:
         req = self._request(str(d["request"]))
-        self.decoding.discard(req.id)
         req.samples -= 1
         if req.samples <= 0:
             req.state, req.finish_reason = "finished", d.get("reason")
@@ -399,7 +380,6 @@ class MonitorState:
 
 def _ev_request_swap_out(self: MonitorState, d: dict) -> None:
     req = self._request(str(d["request"]))
-    self.decoding.discard(req.id)
     req.state = "swapped"
     self.dirty_requests.add(req.id)
 
@@ -425,7 +405,6 @@ _HANDLERS = {
     "block_swap_in": MonitorState._ev_swap_in,
     "request_add": MonitorState._ev_request_add,
     "request_schedule": MonitorState._ev_request_schedule,
-    "request_decode": MonitorState._ev_request_decode,
     "request_preempt": MonitorState._ev_request_preempt,
     "request_finish": MonitorState._ev_request_finish,
 }

@@ -3,7 +3,7 @@
 Switched on by ``EngineConfig(telemetry="unix:PATH" | "tcp:127.0.0.1:PORT")``
 and/or ``EngineConfig(trace="FILE")``. Each engine gets its own
 :class:`Telemetry` object. Per step it turns the core's events into one
-``delta`` line (see :mod:`pagedkv.plugins.telemetry_protocol`); every
+``delta`` line (see :mod:`pagedkv.core.telemetry_protocol`); every
 ``keyframe_steps`` steps or ``keyframe_s`` seconds it adds a ``snapshot``
 built from the engine's real pool and scheduler, the source of truth.
 
@@ -20,8 +20,8 @@ import weakref
 from typing import Any
 
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.telemetry_protocol import encode, message
 from pagedkv.plugins.telemetry_address import parse_address
-from pagedkv.plugins.telemetry_protocol import encode, message
 
 
 @hookimpl
@@ -55,8 +55,6 @@ def close(engine: Any) -> None:
 
 
 class Telemetry:
-    follows_decode_lane = True  # a simulated engine may keep its decode lane: members advance via request_decode
-
     def __init__(self, config: Any) -> None:
         self.config = config
         self.address = parse_address(config.telemetry) if config.telemetry else None  # refuse bad ones first
@@ -189,19 +187,15 @@ class Telemetry:
     def _snapshot_message(self, now: float | None = None) -> dict:
         engine = self.engine
         pool = engine.pool
-        lane = getattr(engine, "_lane", None)
-        members = lane.members if lane is not None else {}
         requests = []
         for rid, seqs in _live_groups(engine).items():
             first = seqs[0]
-            counts = [lane.counters(s) if s in members else (s.num_computed_tokens, len(s.output_token_ids))
-                      for s in seqs]
             requests.append({
                 "id": rid,
                 "state": first.status.value,
                 "prompt": len(first.prompt_token_ids),
-                "gen": max(n_out for _, n_out in counts),
-                "computed": counts[0][0],
+                "gen": max(len(s.output_token_ids) for s in seqs),
+                "computed": first.num_computed_tokens,
                 "blocks": list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks)),
                 "cpu_blocks": [b for s in seqs for b in _cpu_table(engine, s)],
                 "preemptions": sum(s.num_preemptions for s in seqs),
@@ -211,14 +205,13 @@ class Telemetry:
             "snapshot", self.seq, self._now(now), step=self.step, num_blocks=pool.num_blocks,
             block_size=self.config.block_size, refs=list(pool.ref_counts), kept=sorted(pool.kept),
             requests=requests, stats=self._stats(now if now is not None else time.monotonic()),
-            decoding=sorted({s.request_id for s in members}),
         )
 
     def _stats(self, now: float) -> dict:
         engine = self.engine
         pool, sched, stats = engine.pool, engine.scheduler, engine.stats
         running = sched.running
-        held = engine._computed_running()  # (exact with a decode lane too)
+        held = sched.computed_tokens()
         used = pool.num_used
         slots = used * self.config.block_size
         return {
@@ -253,8 +246,7 @@ class Telemetry:
         return merged
 
     def _progress(self) -> dict:
-        lane = getattr(self.engine, "_lane", None)  # decode-lane members advance on their own (request_decode)
-        running = lane.outside if lane is not None else self.engine.scheduler.running
+        running = self.engine.scheduler.running
         return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in running}
 
     def _count(self, kind: str, data: dict) -> None:

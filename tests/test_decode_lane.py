@@ -17,17 +17,23 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv import Engine, EngineConfig, SamplingParams
+from pagedkv import EngineConfig, SamplingParams
 from pagedkv.core.allocator import PagedAllocator, StaticAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.scheduler import FCFSScheduler
-from pagedkv.core.simulate import SimSetup, run_once
-from pagedkv.core.simulated_runner import SimulatedRunner
-from pagedkv.core.workload import builtin_workload
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulate import SimSetup, run_once
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.core.sim.workload import builtin_workload
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
+
+
+def sim(config, **kwargs) -> SimEngine:
+    """A simulated engine (decode lane on unless ``decode_lane=False``)."""
+    return SimEngine(config, runner=SimulatedRunner(SIM_MODEL), **kwargs)
 
 
 @pytest.fixture
@@ -130,31 +136,32 @@ def test_lane_carries_most_decodes_and_cases_cover_preemption(case, monkeypatch)
 
 def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
     config = EngineConfig(device="cpu", num_blocks=64, block_size=4)
-    assert Engine(config, simulate=SIM_MODEL)._lane is not None
-    assert Engine(config, simulate=SIM_MODEL, decode_lane=False)._lane is None
-    assert Engine(replace(config, allocator="static"), simulate=SIM_MODEL)._lane is not None
-    assert Engine(replace(config, enable_prefix_caching=True), simulate=SIM_MODEL)._lane is not None
-    assert Engine(replace(config, swap_space="1MiB"), simulate=SIM_MODEL)._lane is not None  # (preempts flushed)
-    assert Engine(replace(config, trace=str(tmp_path / "t.ndjson")), simulate=SIM_MODEL)._lane is not None
+    assert sim(config).lane is not None
+    assert sim(config, decode_lane=False).lane is None
+    assert sim(replace(config, allocator="static")).lane is not None
+    assert sim(replace(config, enable_prefix_caching=True)).lane is not None
+    assert sim(replace(config, swap_space="1MiB")).lane is not None  # (preempts flushed)
+    # a step-event listener (telemetry, for a trace, too) sees every sequence's progress each step: no lane
+    assert sim(replace(config, trace=str(tmp_path / "t.ndjson"))).lane is None
 
-    class StepListener:  # a step-event listener that does not say it follows the lane
+    class StepListener:  # any step-event listener
         @hookimpl
         def pagedkv_on_step_events(self, events):
             pass
 
     # forks share partly filled blocks; such a listener may expect every sequence's events each step
-    assert Engine(replace(config, enable_copy_on_write=True), simulate=SIM_MODEL)._lane is None
-    assert Engine(config, simulate=SIM_MODEL, plugins=(StepListener(),))._lane is None
+    assert sim(replace(config, enable_copy_on_write=True)).lane is None
+    assert sim(config, plugins=(StepListener(),)).lane is None
 
 
 def test_lane_member_materializes_when_aborted_or_streamed():
-    engine = Engine(EngineConfig(device="cpu", num_blocks=64, block_size=4), simulate=SIM_MODEL)
+    engine = sim(EngineConfig(device="cpu", num_blocks=64, block_size=4))
     a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     b = engine.add_request([4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(10):
         engine.step(stream=False)
     seq_a, seq_b = engine._groups[a][0], engine._groups[b][0]
-    assert seq_a in engine._lane.members and len(seq_a.output_token_ids) == 1  # stale while in the lane
+    assert seq_a in engine.lane.members and len(seq_a.output_token_ids) == 1  # stale while in the lane
     assert engine.abort(a)
     assert len(seq_a.output_token_ids) == 10 and seq_a.num_computed_tokens == 3 + 9
     outs = engine.step(stream=True)  # streaming: every running sequence exact again
@@ -167,7 +174,7 @@ def test_blocks_go_out_in_running_order_around_an_older_sequence_outside_the_lan
     """Block size 1: every decode needs a block every step. The oldest request has a stop id, so it is
     stepped one by one outside the lane, and must still get its block before the newer lane members."""
     config = EngineConfig(device="cpu", num_blocks=200, block_size=1, max_num_seqs=8)
-    twins = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
+    twins = [sim(config, decode_lane=False), sim(config)]
     for engine in twins:
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[7]))
         for prompt in ([4, 5], [6], [8, 9, 10]):
@@ -176,7 +183,7 @@ def test_blocks_go_out_in_running_order_around_an_older_sequence_outside_the_lan
         for engine in twins:
             engine.step(stream=False)
     plain, laned = twins
-    assert len(laned._lane.members) == 3 and len(laned._lane.outside) == 1
+    assert len(laned.lane.members) == 3 and len(laned.lane.outside) == 1
     assert [s.block_table.blocks for s in plain.scheduler.running] == [
         s.block_table.blocks for s in laned.scheduler.running
     ]
@@ -204,10 +211,10 @@ def test_plugins_reading_sequences_from_hooks_see_what_one_by_one_stepping_shows
     seen, stats = [], []
     for lane in (False, True):
         watcher = _Watcher()
-        engine = Engine(EngineConfig(device="cpu", block_size=4, num_blocks=64), simulate=SIM_MODEL,
-                        plugins=(watcher,), decode_lane=lane)
+        engine = sim(EngineConfig(device="cpu", block_size=4, num_blocks=64),
+                     plugins=(watcher,), decode_lane=lane)
         watcher.engine = engine
-        assert (engine._lane is not None) == lane
+        assert (engine.lane is not None) == lane
         for prompt, max_tokens in (([1, 2, 3], 14), ([4] * 8, 9), ([5, 6], 30)):
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         mid = None
@@ -254,8 +261,8 @@ def test_lane_only_where_it_reproduces_the_allocator_and_the_running_loop(alloca
             register("custom", scheduler, "test scheduler")
 
     config = EngineConfig(device="cpu", num_blocks=64, block_size=4, allocator="custom", scheduler="custom")
-    engines = [Engine(config, simulate=SIM_MODEL, plugins=(Registrar(),), decode_lane=on) for on in (False, True)]
-    assert (engines[1]._lane is not None) == lane
+    engines = [sim(config, plugins=(Registrar(),), decode_lane=on) for on in (False, True)]
+    assert (engines[1].lane is not None) == lane
     for engine in engines:
         for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], [9]):
             engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -286,7 +293,7 @@ class TwinMachine(RuleBasedStateMachine):
                               max_num_batched_tokens=budget, allocator="static" if static else "paged",
                               max_model_len=min(num_blocks * block_size, 60),
                               enable_prefix_caching=self.prefix_caching, swap_space=self.swap_space)
-        self.engines = [Engine(config, simulate=SIM_MODEL, decode_lane=False), Engine(config, simulate=SIM_MODEL)]
+        self.engines = [sim(config, decode_lane=False), sim(config)]
         self.active: list[str] = []
 
     @rule(prefix=st.sampled_from([(), (5,) * 8, (6, 7) * 5]), tail=st.lists(st.integers(1, 999), min_size=1,
@@ -341,8 +348,8 @@ class TwinMachine(RuleBasedStateMachine):
         assert vars(plain.stats) == vars(laned.stats)
         assert plain.pool.kept == laned.pool.kept
         assert _plugin_counters(plain) == _plugin_counters(laned)  # (plugin_stats() would flush the lane)
-        assert plain._tokens_held() == laned._tokens_held()
-        lane = laned._lane
+        assert plain.tokens_held() == laned.tokens_held()
+        lane = laned.lane
         assert not set(lane.members) & set(lane.outside)
         assert set(lane.members) | set(lane.outside) == set(laned.scheduler.running)
         assert lane.tokens() + sum(s.num_computed_tokens for s in lane.outside) == sum(
@@ -384,53 +391,3 @@ SwapTwinMachine.TestCase.settings = TWIN_SETTINGS
 test_lane_and_one_by_one_engines_stay_identical = TwinMachine.TestCase
 test_with_prefix_caching_lane_and_one_by_one_engines_stay_identical = PrefixCachingTwinMachine.TestCase
 test_with_swap_and_prefix_caching_lane_and_one_by_one_engines_stay_identical = SwapTwinMachine.TestCase
-
-
-# --- telemetry: a trace recorded with the lane replays to the monitor states of one recorded without it --------
-
-
-def _monitor_states(path) -> list:
-    from pagedkv.monitor.state import MonitorState
-    from pagedkv.monitor.trace import apply_message, read_trace
-
-    trace = read_trace(path)
-    state, out = MonitorState(), []
-    for index in range(len(trace.messages)):
-        apply_message(state, trace, index)
-        requests = {r.id: (r.state, r.computed, r.generated, r.preemptions, r.samples, r.finish_reason)
-                    for r in state.requests.values()}
-        stats = {k: v for k, v in state.stats.items() if k != "step_ms"}
-        out.append((trace.messages[index]["type"], state.step, state.block_map(), state.request_tables(), requests,
-                    stats))
-    return out
-
-
-@pytest.mark.parametrize("setup", ["plain", "prefix caching + swap"])
-def test_trace_recorded_with_the_lane_gives_the_monitor_the_same_state_after_every_message(tmp_path, setup):
-    import random
-
-    from pagedkv.plugins.telemetry import close
-
-    states, sizes = [], []
-    for lane in (False, True):
-        path = tmp_path / f"lane-{lane}.ndjson"
-        config = EngineConfig(device="cpu", block_size=4, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=48,
-                              trace=str(path), plugin_options={"telemetry": {"keyframe_steps": 25, "keyframe_s": 1e9}},
-                              enable_prefix_caching=setup != "plain", swap_space="64KiB" if setup != "plain" else None)
-        engine = Engine(config, simulate=SIM_MODEL, decode_lane=lane)
-        assert (engine._lane is not None) == lane
-        rng = random.Random(5)
-        for step in range(900):
-            if step % 4 == 0 and step < 160:
-                prompt = [7] * rng.choice([0, 8, 12]) + [rng.randrange(1, 999) for _ in range(rng.randrange(1, 20))]
-                engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 80), ignore_eos=True))
-            if engine.has_unfinished():
-                engine.step(stream=False)
-        assert not engine.has_unfinished() and engine.stats.preemptions > 0
-        close(engine)
-        states.append(_monitor_states(path))
-        sizes.append(path.stat().st_size)
-    assert len(states[0]) == len(states[1])
-    for plain, laned in zip(*states):
-        assert laned == plain
-    assert sizes[1] < sizes[0]  # members' progress is implied, not written every step

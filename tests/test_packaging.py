@@ -36,7 +36,7 @@ def test_installed_package_imports_from_outside_the_repo(tmp_path):
 
 def test_core_does_not_import_heavy_frameworks(tmp_path):
     out = run_python(
-        "import sys, pagedkv.core.engine, pagedkv.core.cli, pagedkv.core.plugin_manager as p;"
+        "import sys, pagedkv.core.engine, pagedkv.cli.main, pagedkv.core.plugin_manager as p;"
         "pm = p.make_plugin_manager(); p.build_registry(pm, 'backend', 'pagedkv_register_backends');"
         "print(sorted(m for m in ('triton', 'cupy', 'textual') if m in sys.modules))",
         cwd=tmp_path,

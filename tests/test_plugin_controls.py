@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pagedkv.core import cli
+from pagedkv.cli import main as cli
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.plugin_manager import build_registry, list_plugins, make_plugin_manager
 

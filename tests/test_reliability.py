@@ -10,6 +10,7 @@ import pytest
 from conftest import drain, hf_greedy, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
@@ -91,7 +92,7 @@ def test_copy_on_write_fault_fails_only_the_forked_request(tiny_llama):
 def test_abort_frees_exactly_the_request_references(moment):
     config = EngineConfig(device="cpu", num_blocks=24, block_size=4, max_num_batched_tokens=8,
                           enable_copy_on_write=True, enable_prefix_caching=True, swap_space="1MiB")
-    engine = Engine(config, simulate=SIM_MODEL)
+    engine = Engine(config, runner=SimulatedRunner(SIM_MODEL))
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     shared = engine.add_request(list(range(1, 11)), SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=2,
                                                                     ignore_eos=True))
@@ -133,7 +134,7 @@ def test_abort_frees_exactly_the_request_references(moment):
 
 def test_many_long_requests_against_a_tiny_pool_all_finish_in_bounded_steps():
     engine = Engine(EngineConfig(device="cpu", num_blocks=16, block_size=4, max_num_batched_tokens=16),
-                    simulate=SIM_MODEL)
+                    runner=SimulatedRunner(SIM_MODEL))
     ids = [engine.add_request([1 + i] * (20 + i % 7), SamplingParams(max_tokens=40, ignore_eos=True))
            for i in range(30)]
     results, steps = drain(engine, limit=20_000)
@@ -145,7 +146,7 @@ def test_many_long_requests_against_a_tiny_pool_all_finish_in_bounded_steps():
 
 def test_preempt_resume_ping_pong_between_two_requests_terminates():
     # two requests that each need almost the whole pool keep evicting each other
-    engine = Engine(EngineConfig(device="cpu", num_blocks=10, block_size=4), simulate=SIM_MODEL)
+    engine = Engine(EngineConfig(device="cpu", num_blocks=10, block_size=4), runner=SimulatedRunner(SIM_MODEL))
     a = engine.add_request([1] * 18, SamplingParams(max_tokens=20, ignore_eos=True))
     b = engine.add_request([2] * 18, SamplingParams(max_tokens=20, ignore_eos=True))
     results, steps = drain(engine, limit=2000)
@@ -156,9 +157,40 @@ def test_preempt_resume_ping_pong_between_two_requests_terminates():
 
 def test_static_allocator_reserves_up_front_so_it_never_preempts_even_with_swap_space():
     engine = Engine(EngineConfig(device="cpu", num_blocks=12, block_size=4, max_model_len=16, allocator="static",
-                                 swap_space="1MiB"), simulate=SIM_MODEL)
+                                 swap_space="1MiB"), runner=SimulatedRunner(SIM_MODEL))
     ids = [engine.add_request([3 + i] * 6, SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(5)]
     results, _ = drain(engine)
     assert set(results) == set(ids)
     assert engine.stats.preemptions == 0 and engine.stats.peak_running == 3  # 12 blocks / 4 per request
+    all_blocks_back(engine)
+
+
+class _FlakyTokenizer:
+    """Decodes to a fixed text, except that its first call fails (a stop-string check runs first)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        if self.calls == 1:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return "ok " * len(ids)
+
+
+def test_a_failing_stop_check_ends_only_its_request_with_an_error():
+    tokenizer = _FlakyTokenizer()
+    engine = Engine(EngineConfig(device="cpu", num_blocks=32, block_size=4), tokenizer=tokenizer,
+                    runner=SimulatedRunner(SIM_MODEL))
+    broken = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, stop=["never"]))
+    fine = engine.add_request([4, 5], SamplingParams(max_tokens=6, ignore_eos=True))
+    first = {o.request_id: o for o in engine.step()}
+    assert first[broken].finished and first[broken].outputs[0].finish_reason == "error"
+    error = first[broken].outputs[0].error
+    assert "stop check failed" in error and "UnicodeDecodeError" in error
+    assert first[broken].outputs[0].token_ids == []  # the token the failed check saw was not accepted
+    assert not first[fine].finished and len(first[fine].outputs[0].token_ids) == 1
+    outs, _ = drain(engine)
+    assert outs[fine].outputs[0].finish_reason == "length" and len(outs[fine].outputs[0].token_ids) == 6
+    assert engine.stats.failed == 1 and engine.stats.generated_tokens == 6
     all_blocks_back(engine)

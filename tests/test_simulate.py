@@ -11,11 +11,11 @@ from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
 from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.simulate import SimSetup, parse_sweep, run_once, simulate
-from pagedkv.core.step_time_model import StepTimeModel, calibrate_from_trace
-from pagedkv.core.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
+from pagedkv.core.sim.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
+from pagedkv.core.sim.simulate import SimSetup, parse_sweep, run_once, simulate
+from pagedkv.core.sim.step_time_model import StepTimeModel, calibrate_from_trace
+from pagedkv.core.sim.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
 
 KINDS = ("block_alloc", "block_free", "block_share", "block_keep", "block_evict", "request_preempt")
 
@@ -211,7 +211,7 @@ def test_bad_trace_names_the_line(tmp_path):
 
 
 def test_cli_json_plot_and_trace_for_the_monitor(tmp_path, capsys):
-    from pagedkv.core.cli import main
+    from pagedkv.cli.main import main
     from pagedkv.monitor.trace import replay
 
     png, trace = tmp_path / "blocks.png", tmp_path / "sim.ndjson"
@@ -243,7 +243,7 @@ def test_progress_counts_finished_requests_for_each_run_up_to_the_total():
 
 
 def test_cli_no_decode_lane_reports_the_same_figures(capsys):
-    from pagedkv.core.cli import main
+    from pagedkv.cli.main import main
 
     reports = []
     for extra in ([], ["--no-decode-lane"]):
@@ -255,3 +255,28 @@ def test_cli_no_decode_lane_reports_the_same_figures(capsys):
         reports.append(report)
     assert reports[0]["paged"]["finished"] == 60
     assert reports[0] == reports[1]
+
+
+def test_static_run_beside_the_paged_one_gives_the_same_report():
+    wl = builtin_workload("sharegpt", 150, seed=4)
+    setup = SimSetup(num_blocks=600, max_num_seqs=32, max_model_len=2048)
+    reports = [simulate(wl, setup, parallel=parallel) for parallel in (False, True)]
+    for report in reports:
+        for run in ("paged", "static"):
+            report[run].pop("wall_s")
+    assert reports[0]["static"]["finished"] == 150
+    assert reports[0] == reports[1]
+
+
+def test_a_failure_in_the_side_run_is_raised_in_the_parent():
+    from pagedkv.core.sim.side_run import SideRun, can_fork
+
+    if not can_fork():
+        pytest.skip("no fork on this platform")
+
+    def broken(progress):
+        raise SimulationError("the static run broke")
+
+    with pytest.raises(SimulationError, match="static run broke"):
+        SideRun(broken, report_progress=False).result()
+    assert SideRun(lambda progress: {"ok": [1, 2]}, report_progress=False).result() == {"ok": [1, 2]}

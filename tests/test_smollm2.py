@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.core.cli import main
+from pagedkv.cli.main import main
 from pagedkv.core.llm import apply_chat_template
 
 pytestmark = pytest.mark.slow

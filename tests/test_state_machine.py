@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.core.sequence import SequenceStatus
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
@@ -30,7 +31,7 @@ class EngineMachine(RuleBasedStateMachine):
             device="cpu", block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=24,
             enable_prefix_caching=True, enable_copy_on_write=True, swap_space=swap_blocks * 2 * 2 * BLOCK * 2 * 16 * 4,
         )
-        self.engine = Engine(config, simulate=SIM_MODEL)
+        self.engine = Engine(config, runner=SimulatedRunner(SIM_MODEL))
         self.active: list[str] = []
 
     @rule(prefix=st.integers(-1, len(PREFIXES) - 1), tail=st.lists(st.integers(1, 999), min_size=1, max_size=30),
@@ -87,7 +88,7 @@ class EngineMachine(RuleBasedStateMachine):
             for i, block_id in enumerate(seq.block_table):
                 held = min(BLOCK, max(0, seq.num_computed_tokens - i * BLOCK))
                 fill[block_id] = max(fill.get(block_id, 0), held)
-        assert engine._tokens_held() == sum(fill.values())
+        assert engine.tokens_held() == sum(fill.values())
 
     def teardown(self):
         engine = getattr(self, "engine", None)

@@ -17,12 +17,13 @@ from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.telemetry_protocol import PROTOCOL_VERSION, ProtocolError, decode
+from pagedkv.core.trace import TraceError, read_trace
 from pagedkv.monitor.client import StreamClient
 from pagedkv.monitor.state import MonitorState
-from pagedkv.monitor.trace import TraceError, read_trace, replay
+from pagedkv.monitor.trace import replay
 from pagedkv.plugins import telemetry
 from pagedkv.plugins.telemetry_address import TelemetryAddressError, parse_address
-from pagedkv.plugins.telemetry_protocol import PROTOCOL_VERSION, ProtocolError, decode
 
 # --- the address rule --------------------------------------------------------------------------------
 
@@ -85,7 +86,7 @@ def test_engine_refuses_a_remote_address_before_loading_anything(monkeypatch):
 
 
 def test_cli_refuses_a_remote_address(capsys):
-    from pagedkv.core.cli import main
+    from pagedkv.cli.main import main
 
     assert main(["run", "--model", "/nonexistent", "--telemetry", "tcp:example.com:80"]) == 2
     assert "not an IP literal" in capsys.readouterr().err
@@ -386,7 +387,7 @@ def test_core_does_not_import_textual(tmp_path):
     code = (
         "import sys; sys.path.insert(0, 'tests'); from conftest import _tiny_llama\n"
         "from pagedkv import Engine, EngineConfig, SamplingParams\n"
-        "import pagedkv.core.cli, pagedkv.plugins.telemetry as t, pagedkv.monitor.state, pagedkv.monitor.client\n"
+        "import pagedkv.cli.main, pagedkv.plugins.telemetry as t, pagedkv.monitor.state, pagedkv.monitor.client\n"
         f"e = Engine(EngineConfig(device='cpu', num_blocks=8, block_size=4, trace={str(tmp_path / 'x')!r}),"
         " model=_tiny_llama())\n"
         "e.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))\n"

@@ -22,7 +22,7 @@ EXAMPLE = REPO / "examples" / "pagedkv-spf"
 SCRIPT = r"""
 import contextlib, io, json, os, sys
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core import cli
+from pagedkv.cli import main as cli
 from pagedkv.core.errors import ConfigError
 from pagedkv.testing import tiny_llama
 

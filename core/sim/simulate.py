@@ -1,15 +1,17 @@
 """``engine simulate``: capacity planning with the real pool, allocator, scheduler and plugins.
 
-``Engine(config, simulate=model_config)`` loads no model; its stand-in runner only
-counts tokens. This module drives it with a workload: requests are added when the
-simulated clock passes their arrival, the clock moves by a step-time model after
-each step, and the run's figures (concurrency, KV usage and waste, preemptions,
+``SimEngine(config, runner=SimulatedRunner(model_config))`` loads no model; its
+stand-in runner only counts tokens. This module drives it with a workload: requests
+are added when the simulated clock passes their arrival, the clock moves by a
+step-time model after each step (and over a run of quiet steps in one move, see
+:meth:`SimEngine.quiet_steps`), and the run's figures (concurrency, KV usage and waste, preemptions,
 swap traffic, prefix hits, TTFT and throughput estimates) come back as a dict,
 for the paged allocator and the static max-length baseline side by side.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections.abc import Callable
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
-from pagedkv.core.step_time_model import StepTimeModel
-from pagedkv.core.workload import Workload, synth_prompt
+from pagedkv.core.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
+from pagedkv.core.sim.step_time_model import StepTimeModel
+from pagedkv.core.sim.workload import Workload, synth_prompt
+from pagedkv.core.stats import summarize
 
 # --- one simulated run -------------------------------------------------------------------------------------------
 
@@ -43,6 +46,7 @@ class SimSetup:
     allocator: str = "paged"
     trace: str | None = None
     decode_lane: bool = True  # False: step every sequence one by one (same results, slower; for checking)
+    jump: bool = True  # jump over quiet steps in one move (same results; False takes them one by one)
 
     def engine_config(self) -> Any:
         from pagedkv.core.config import EngineConfig
@@ -69,22 +73,6 @@ def _percentiles(values: list[float]) -> dict:
     return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-def _recording_runner(engine: Any) -> Any:
-    """The engine's stand-in runner, also keeping the last step's scheduler output (for the clock)."""
-    from pagedkv.core.simulated_runner import SimulatedRunner
-
-    class _Runner(SimulatedRunner):
-        last: Any = None
-
-        def execute(self, out: Any) -> Any:
-            self.last = out
-            return super().execute(out)
-
-    runner = _Runner()
-    runner.cpu_kv_caches = engine.runner.cpu_kv_caches
-    return runner
-
-
 def run_once(
     workload: Workload,
     setup: SimSetup,
@@ -93,24 +81,26 @@ def run_once(
     plugins: tuple[Any, ...] = (),
     series: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    after_run: Callable[[Any], None] | None = None,
 ) -> dict:
-    """Run the workload once through ``Engine(simulate=...)``; returns the run's figures.
+    """Run the workload once through a :class:`SimEngine`; returns the run's figures.
 
-    ``progress(finished, total)`` is called every few hundred steps and once at the end.
+    ``progress(finished, total)`` is called every few hundred steps and once at the end;
+    ``after_run(engine)`` when the last request finished, before the figures are read
+    (the command line closes a trace with it).
     """
     import time
 
-    from pagedkv.core.engine import Engine
     from pagedkv.core.errors import RequestRejected
     from pagedkv.core.sampling_params import SamplingParams
+    from pagedkv.core.sim.sim_engine import SimEngine
+    from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
+    runner = SimulatedRunner(setup.model_config)
     try:
-        engine = Engine(
-            setup.engine_config(), plugins=plugins, simulate=setup.model_config, decode_lane=setup.decode_lane
-        )
+        engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane)
     except ConfigError as exc:
         raise SimulationError(f"{exc} (setting: {_budget_text(setup)})") from None
-    engine.runner = runner = _recording_runner(engine)
     _check_fits(workload, engine, setup)
     if step_time is None:
         step_time = default_step_time(setup, engine)
@@ -159,7 +149,7 @@ def run_once(
         outs = engine.step(stream=False)
         out = runner.last
         step += 1
-        prefill, decodes, context = 0, out.lane_decodes, out.lane_context
+        prefill, decodes, context = 0, getattr(out, "lane_decodes", 0), getattr(out, "lane_context", 0)
         for item in out.scheduled:
             seq = item.seq
             ctx = item.context_len
@@ -183,22 +173,37 @@ def run_once(
         used = pool.num_used
         usage_sum += used
         if used:
-            waste_sum += 1.0 - engine._tokens_held() / (used * bs)
+            waste_sum += 1.0 - engine.tokens_held() / (used * bs)
             waste_steps += 1
         if series:
             t_used.append(now)
             used_series.append(used)
         if progress is not None and not step % PROGRESS_EVERY:
             progress(len(finished), n)
+        quiet = engine.quiet_steps() if setup.jump else 0
+        if quiet and i < n:  # stop before the step at which the next request arrives
+            quiet = min(quiet, (reqs[i][1].arrival_step or 0) - step) if by_step else quiet
+        if quiet > 0:
+            jump = _quiet_run(engine, step_time, quiet, now, None if by_step or i >= n else reqs[i][1].arrival)
+            quiet = len(jump.t)
+        if quiet > 0:
+            engine.skip(quiet)
+            if progress is not None and (step + quiet) // PROGRESS_EVERY > step // PROGRESS_EVERY:
+                progress(len(finished), n)
+            step += quiet
+            now = float(jump.t[-1])
+            running_sum += running * quiet
+            usage_sum += used * quiet
+            running_time, waste_sum = jump.running_time(running_time), jump.waste(waste_sum)
+            waste_steps += quiet if used else 0
+            if series:
+                t_used.frombytes(jump.t.tobytes())
+                used_series.extend(itertools.repeat(used, quiet))
     if progress is not None:
         progress(len(finished), n)
     wall = time.perf_counter() - started
-    if setup.trace:
-        from pagedkv.plugins.telemetry import close as close_telemetry
-
-        close_telemetry(engine)
-    from pagedkv.core.cli import summarize
-
+    if after_run is not None:
+        after_run(engine)
     stats = engine.stats
     summary = summarize(engine)
     steps = max(1, stats.steps)
@@ -245,6 +250,54 @@ def run_once(
     if series:
         result["series"] = {"t": t_used, "blocks_used": used_series}
     return result
+
+
+@dataclass
+class _QuietRun:
+    """The clock over a run of quiet steps, computed as the one-by-one loop would, step by step.
+
+    Every quiet step has the same shape (no prefill, ``decodes`` lane members, each one token
+    further); ``t`` holds the clock after each step. The sums use sequential accumulation
+    (``numpy.cumsum``), so every float comes out bit for bit as the one-by-one loop's.
+    """
+
+    t: Any  # numpy float64 array
+    dts: Any
+    running: int
+    held0: int  # tokens held after the last real step
+    slots: int  # used blocks * block size
+
+    def running_time(self, start: float) -> float:
+        return float(_accumulate(start, self.running * self.dts))
+
+    def waste(self, start: float) -> float:
+        if not self.slots:
+            return start
+        import numpy as np
+
+        held = self.held0 + self.running * np.arange(1, len(self.t) + 1, dtype=np.int64)
+        return float(_accumulate(start, 1.0 - held / self.slots))
+
+
+def _accumulate(start: float, values: Any) -> float:
+    import numpy as np
+
+    return np.cumsum(np.concatenate(([start], values)))[-1]
+
+
+def _quiet_run(engine: Any, step_time: StepTimeModel, steps: int, now: float, arrival: float | None) -> _QuietRun:
+    """Up to ``steps`` quiet steps from ``now``, cut before the step at whose start ``arrival`` is due."""
+    import numpy as np
+
+    lane = engine.lane
+    members = len(lane.members)
+    context = lane.tokens() + members * np.arange(steps, dtype=np.int64)  # KV each step's decodes read
+    dts = step_time.step_seconds(0, members, context)
+    t = np.cumsum(np.concatenate(([now], dts)))
+    if arrival is not None:  # the one-by-one loop adds a request before the first step starting at/after it
+        steps = int(np.searchsorted(t[:-1], arrival, side="left"))
+    slots = engine.pool.num_used * engine.config.block_size
+    return _QuietRun(t[1 : steps + 1], dts[:steps], len(engine.scheduler.running), engine.tokens_held(), slots)
 
 
 def _labelled(progress: Callable[[str, int, int], None] | None, label: str) -> Callable[[int, int], None] | None:
@@ -356,15 +409,34 @@ def simulate(
     compare_static: bool = True,
     sweeps: list[tuple[str, list[int]]] = (),
     progress: Callable[[str, int, int], None] | None = None,
+    after_run: Callable[[Any], None] | None = None,
+    parallel: bool = True,
 ) -> dict:
-    """Paged run (with ``setup.trace``), the static baseline, and any sweeps, as one dict."""
-    from pagedkv.core.workload import describe
+    """Paged run (with ``setup.trace``; ``after_run`` is called on its engine), the static baseline,
+    and any sweeps, as one dict. With ``parallel`` (and two cores), the static run goes in a forked
+    child beside the paged one (:mod:`pagedkv.core.sim.side_run`); the figures are the same."""
+    from pagedkv.core.sim.side_run import SideRun, can_fork
+    from pagedkv.core.sim.workload import describe
 
-    paged = run_once(workload, replace(setup, allocator="paged"), step_time, progress=_labelled(progress, "paged"))
+    static_setup = replace(setup, allocator="static", trace=None)
+    side = None
+    if compare_static and parallel and can_fork():
+        side = SideRun(lambda report: run_once(workload, static_setup, step_time, progress=report),
+                       report_progress=progress is not None)
+    paged_progress = _labelled(progress, "paged")
+    if side is not None and paged_progress is not None:
+        static_progress, own = _labelled(progress, "static"), paged_progress
+
+        def paged_progress(done: int, total: int) -> None:
+            own(done, total)
+            side.poll(static_progress)
+
+    paged = run_once(workload, replace(setup, allocator="paged"), step_time, progress=paged_progress,
+                     after_run=after_run)
     report: dict[str, Any] = {"workload": describe(workload), "paged": paged}
-    if compare_static:
-        report["static"] = run_once(
-            workload, replace(setup, allocator="static", trace=None), step_time, progress=_labelled(progress, "static")
-        )
+    if side is not None:
+        report["static"] = side.result(_labelled(progress, "static"))
+    elif compare_static:
+        report["static"] = run_once(workload, static_setup, step_time, progress=_labelled(progress, "static"))
     report["sweeps"] = [run_sweep(workload, setup, step_time, key, values, progress) for key, values in sweeps]
     return report

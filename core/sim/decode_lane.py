@@ -17,34 +17,20 @@ every sequence exact (``flush``: a step with a preemption, a token budget too
 small for the whole batch, a streaming step, an invariant check). The decisions
 are those of the one-by-one step, in the same order: tests run both and compare
 every figure and the block event sequence.
+
+The calendars also say when the next thing happens at all (:meth:`DecodeLane.next_event`):
+the simulator jumps the clock over the steps in between (:meth:`DecodeLane.skip`).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from operator import attrgetter
-from typing import Any
 
 from pagedkv.core.sequence import Sequence
 
 _run_order = attrgetter("run_order")
-
-# FCFSScheduler's methods the lane works with: a subclass overriding any of them runs without the lane.
-_SCHEDULER_METHODS = (
-    "schedule", "_schedule_with_lane", "_finish_schedule", "_admit_waiting", "_swap_in", "_preempt", "_allocate",
-    "finish", "fail", "add_running", "_start_running", "_remove_running",
-)
-
-
-def lane_reproduces(scheduler: Any, allocator: Any) -> bool:
-    """The lane reproduces FCFS's running loop and the built-in allocators' block growth, not a subclass's own."""
-    from pagedkv.core.allocator import PagedAllocator, StaticAllocator
-    from pagedkv.core.scheduler import FCFSScheduler
-
-    if type(allocator) not in (PagedAllocator, StaticAllocator) or not isinstance(scheduler, FCFSScheduler):
-        return False
-    return all(getattr(type(scheduler), name) is getattr(FCFSScheduler, name) for name in _SCHEDULER_METHODS)
-
 
 class _Member:
     __slots__ = ("joined", "computed", "last_step", "serial")
@@ -72,6 +58,29 @@ class DecodeLane:
         # lane step -> members whose last block becomes full then (for ``pagedkv_on_block_full`` plugins)
         self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
         self._serials = itertools.count()
+        self._event_steps: list[int] = []  # heap of lane steps with a calendar entry (some may be gone)
+
+    def _book(self, calendar: dict[int, list[tuple[Sequence, int]]], step: int, entry: tuple[Sequence, int]) -> None:
+        entries = calendar.get(step)
+        if entries is None:
+            calendar[step] = [entry]
+            heapq.heappush(self._event_steps, step)
+        else:
+            entries.append(entry)
+
+    def next_event(self) -> int | None:
+        """The next lane step on which a member crosses a block boundary, fills a block or finishes."""
+        heap = self._event_steps
+        fills = self._fills or {}
+        while heap and (heap[0] <= self.clock or not (
+            heap[0] in self._crossings or heap[0] in self._finishes or heap[0] in fills
+        )):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps pass in which no member has an event (the caller checked :meth:`next_event`)."""
+        self.clock += steps
 
     def tokens(self) -> int:
         """Computed tokens the members hold now (their context before the next step)."""
@@ -94,7 +103,7 @@ class DecodeLane:
         self.members[seq] = member
         self._offset += member.computed - member.joined
         self.newest = max(self.newest, seq.run_order)
-        self._finishes.setdefault(member.last_step, []).append((seq, member.serial))
+        self._book(self._finishes, member.last_step, (seq, member.serial))
         self._plan_crossing(seq, member, member.computed)
         if self._fills is not None:
             self._plan_fill(seq, member, member.computed)
@@ -103,13 +112,13 @@ class DecodeLane:
         """Book the step after which the block that token ``computed`` goes into is full."""
         step = self.clock + self.block_size - computed % self.block_size
         if step <= member.last_step:
-            self._fills.setdefault(step, []).append((seq, member.serial))
+            self._book(self._fills, step, (seq, member.serial))
 
     def _plan_crossing(self, seq: Sequence, member: _Member, computed: int) -> None:
         """Book the step at which ``seq`` (holding ``computed`` tokens now) next needs a block."""
         step = self.clock + len(seq.block_table.blocks) * self.block_size - computed + 1
         if step <= member.last_step:
-            self._crossings.setdefault(step, []).append((seq, member.serial))
+            self._book(self._crossings, step, (seq, member.serial))
 
     def _live(self, entries: list[tuple[Sequence, int]]) -> list[Sequence]:
         members = self.members
@@ -192,6 +201,7 @@ class DecodeLane:
         self._finishes.clear()
         if self._fills is not None:
             self._fills.clear()
+        self._event_steps.clear()
         self.newest = -1
 
     def _leave(self, seq: Sequence, owe_last: bool = False) -> None:

@@ -7,7 +7,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from pagedkv.core.simulate import SWEEP_COLUMNS
+from pagedkv.core.sim.simulate import SWEEP_COLUMNS
 
 # --- output ----------------------------------------------------------------------------------------------------------
 

@@ -16,11 +16,12 @@ Every message has ``v`` (the protocol version), ``seq`` and ``type``:
 the state it follows; a reader that sees a gap waits for the next snapshot.
 This module has no dependencies, so the engine and the monitor share it.
 
-Version 2 (a simulated engine's decode lane): a ``request_decode`` event (with
-``computed`` and ``generated``) says the request now gains one computed and one
-generated token every step, without being listed in ``progress``, until a
-``progress`` entry, a preemption or its finish says otherwise; a snapshot's
-``decoding`` lists the requests in that state.
+Version 3 drops version 2's ``request_decode`` event and the snapshot's ``decoding``
+list (a simulator shortcut that had leaked into the stream): every running request's
+progress is in every delta again, as in version 1. Older streams are still read.
+
+The format is shared by the telemetry plugin (writing), the monitor (reading live or
+from a trace) and the simulator (reading traces), so it sits in core.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MESSAGE_TYPES = ("hello", "snapshot", "delta", "heartbeat", "end")
 
 
@@ -93,8 +94,6 @@ def validate(msg: Any) -> dict[str, Any]:
             _check_request(req, len(refs))
         if not isinstance(msg.get("stats", {}), dict):
             raise ProtocolError("snapshot field 'stats' must be an object")
-        if "decoding" in msg and not all(isinstance(rid, str) for rid in _list(msg, "decoding")):
-            raise ProtocolError("snapshot field 'decoding' must list request ids")
     elif kind == "delta":
         _int(msg, "step")
         for ev in _list(msg, "events"):

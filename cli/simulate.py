@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pagedkv.core.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
-from pagedkv.core.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
-from pagedkv.core.simulate_report import format_report, jsonable, plot_blocks
+from pagedkv.core.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
+from pagedkv.core.sim.report import format_report, jsonable, plot_blocks
+from pagedkv.core.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
 
-# --- the command line (``engine simulate``; core/cli.py adds the subparser and dispatches here) -------------------
+# --- the command line (``engine simulate``; cli/main.py adds the subparser and dispatches here) --------------------
 
 
 def add_arguments(p: Any) -> None:
@@ -103,8 +103,8 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[str, int, int], None] | No
 
 
 def run_cli(args: Any) -> int:
-    from pagedkv.core.step_time_model import calibrate_from_trace
-    from pagedkv.core.workload import load_workload
+    from pagedkv.core.sim.step_time_model import calibrate_from_trace
+    from pagedkv.core.sim.workload import load_workload
 
     setup, budget = setup_from_args(args)
     sweeps = [parse_sweep(s) for s in args.sweep]
@@ -114,9 +114,12 @@ def run_cli(args: Any) -> int:
     workload = load_workload(
         args.workload, num_requests=args.num_requests, seed=args.seed, request_rate=args.request_rate
     )
+    close_trace = None
+    if args.trace:
+        from pagedkv.plugins.telemetry import close as close_trace  # the final snapshot and an end line
     with progress_bar(enabled=sys.stderr.isatty()) as progress:
         report = simulate(workload, setup, step_time, compare_static=not args.no_static, sweeps=sweeps,
-                          progress=progress)
+                          progress=progress, after_run=close_trace)
     report["budget"] = budget
     if args.plot:
         report["plot"] = plot_blocks(args.plot, report)

@@ -1,4 +1,6 @@
-"""The `engine` command: `engine run` (default model, demo workload) and friends."""
+"""The `engine` command: `engine run` (default model, demo workload) and friends.
+
+It sits above core, plugins and monitor: the one place that composes them all."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.stats import summarize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model")
-    from pagedkv.core.simulate_cli import add_arguments as add_simulate_arguments
+    from pagedkv.cli.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
     return parser
@@ -168,27 +171,6 @@ def capacity(engine: Any) -> dict:
     }
 
 
-def summarize(engine: Any) -> dict:
-    s = engine.stats
-    return {
-        "requests": s.requests,
-        "prompt_tokens": s.prompt_tokens,
-        "generated_tokens": s.generated_tokens,
-        "elapsed_s": round(s.elapsed, 3),
-        "tokens_per_s": round(s.tokens_per_s, 2),
-        "steps": s.steps,
-        "peak_kv_blocks_used": s.peak_blocks_used,
-        "total_kv_blocks": engine.num_blocks,
-        "kv_waste_pct_at_peak": round(100 * s.waste_at_peak, 2),
-        "peak_running": s.peak_running,
-        "preemptions": s.preemptions,
-        "tokens_recomputed": s.tokens_recomputed,
-        "prefill_tokens_computed": s.prefill_tokens_computed,
-        "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
-        **engine.plugin_stats(),
-    }
-
-
 def print_report(completions: list[dict], summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -204,8 +186,6 @@ def print_report(completions: list[dict], summary: dict) -> None:
     for key, value in summary.items():
         table.add_row(key.replace("_", " "), f"{value}")
     console.print(table)
-
-
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     """Every plugin in the ``pagedkv`` entry-point group, as PAGEDKV_PLUGINS / PAGEDKV_DISABLE_PLUGINS leave it."""
@@ -225,7 +205,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pagedkv.core.simulate_cli import run_cli
+    from pagedkv.cli.simulate import run_cli
 
     return run_cli(args)
 

@@ -1,7 +1,7 @@
 """Workloads for ``engine simulate``: built-in length distributions, JSONL request files, recorded traces.
 
 A workload is a list of :class:`SimRequest` (arrival, prompt length or token ids,
-output length). Nothing here touches the engine; :mod:`pagedkv.core.simulate`
+output length). Nothing here touches the engine; :mod:`pagedkv.core.sim.simulate`
 feeds the requests to it.
 
 Built-in distributions (seeded, ``random.Random``): lengths are lognormal with
@@ -200,7 +200,7 @@ def load_trace(path: str | Path) -> Workload:
 
     Token ids are not in a trace, so prompts are synthesized (prefix-cache hits are not reproduced).
     """
-    from pagedkv.monitor.trace import TraceError, read_trace
+    from pagedkv.core.trace import TraceError, read_trace
 
     try:
         trace = read_trace(path)

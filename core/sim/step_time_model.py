@@ -97,8 +97,8 @@ def calibrate_from_trace(path: str) -> StepTimeModel:
     """
     import numpy as np
 
-    from pagedkv.core.workload import WorkloadError
-    from pagedkv.monitor.trace import TraceError, read_trace
+    from pagedkv.core.sim.workload import WorkloadError
+    from pagedkv.core.trace import TraceError, read_trace
 
     try:
         trace = read_trace(path)

@@ -1,0 +1,24 @@
+"""Refusing a request that can never run, before it changes anything (one clear line saying why)."""
+
+from __future__ import annotations
+
+from pagedkv.core.errors import RequestRejected
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    """Raise :class:`RequestRejected` for an empty prompt, ids outside the vocabulary, or one too long."""
+    if not token_ids:
+        raise RequestRejected("the prompt is empty; give at least one token")
+    plain_ints = set(map(type, token_ids)) == {int}  # C-speed check for the usual case
+    if not plain_ints and not all(isinstance(t, int) for t in token_ids) or not (
+        0 <= min(token_ids) and max(token_ids) < vocab_size
+    ):
+        raise RequestRejected(f"prompt token ids must be integers in 0..{vocab_size - 1}")
+    if len(token_ids) > max_model_len:
+        capacity = num_blocks * block_size
+        if max_model_len == capacity:
+            raise RequestRejected(
+                f"the prompt has {len(token_ids)} tokens but the whole KV cache holds only "
+                f"{capacity} ({num_blocks} blocks of {block_size}); give a larger KV budget or a shorter prompt"
+            )
+        raise RequestRejected(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}")

@@ -1,0 +1,25 @@
+"""What the engine needs from whatever runs the model for a step.
+
+The engine builds a :class:`~pagedkv.core.model_runner.ModelRunner` itself when none is
+given; ``engine simulate`` gives a stand-in that only counts tokens
+(``Engine(config, runner=SimulatedRunner(shape))``), and the same pool, allocator,
+scheduler and plugins run around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pagedkv.core.scheduler import SchedulerOutput
+
+
+class Runner(Protocol):
+    """Runs one scheduled step."""
+
+    model_config: Any  # the HF config (or anything with its shape fields): sizes the KV cache
+    kv_caches: list  # device KV tensors, per layer (empty for a stand-in)
+    cpu_kv_caches: Any  # the CPU swap pool's tensors, if a swap plugin gave it some
+
+    def execute(self, out: SchedulerOutput) -> Any:
+        """Logits ``[num_sampling_seqs, vocab]`` in scheduled order, one row per sequence that samples."""
+        ...

@@ -1,0 +1,103 @@
+"""The simulator's engine: a real :class:`Engine` over a :class:`SimulatedRunner`, with the decode lane.
+
+``SimEngine(config, runner=SimulatedRunner(shape))`` is ``Engine`` with the same
+runner, plus, where it decides exactly as one-by-one stepping (no forks or
+copy-on-write, no step-event listeners such as telemetry, FCFS's running loop and a
+built-in allocator), a scheduler whose steady decodes ride a
+:class:`~pagedkv.core.sim.decode_lane.DecodeLane`. It also lets its driver jump over
+quiet steps (:meth:`quiet_steps`, :meth:`skip`): steps in which nothing crosses a
+block boundary, fills a block, finishes, is admitted or preempted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.engine import Engine
+from pagedkv.core.invariants import check_invariants
+from pagedkv.core.sequence import RequestOutput, Sequence
+from pagedkv.core.sim.decode_lane import DecodeLane
+from pagedkv.core.sim.lane_scheduler import lane_reproduces, with_decode_lane
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
+
+
+class SimEngine(Engine):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        runner: SimulatedRunner,
+        plugins: tuple[Any, ...] = (),
+        decode_lane: bool = True,
+    ) -> None:
+        self._lane_wanted = decode_lane
+        super().__init__(config, plugins=plugins, runner=runner)
+        self.lane: DecodeLane | None = getattr(self.scheduler, "lane", None)
+
+    def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
+        if self._lane_wanted and not (
+            self._fork_hook or self._any_impl("pagedkv_copy_on_write", "pagedkv_on_step_events")
+        ) and lane_reproduces(entry.factory, self.allocator):
+            return with_decode_lane(entry.factory)(self.config, self.allocator, self.events, hooks)
+        return super()._make_scheduler(entry, hooks)
+
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """As :meth:`Engine.step`, without torch's inference mode (no model runs here)."""
+        if stream and self.lane is not None and self.lane.members:
+            self.lane.flush()  # a streaming step reports every sequence's new token: they must be exact
+        return self._step(stream)
+
+    def _sample(self, out: Any, logits: Any) -> list[tuple[Sequence, int]]:
+        """Greedy over the runner's one-column logits is always its token: no tensor work for that."""
+        seqs, rows = self._sampling(out)
+        if all(s.params.greedy for s in seqs):
+            return [(s, SimulatedRunner.TOKEN) for s in seqs]
+        return self._draw(seqs, rows, logits)
+
+    def plugin_stats(self) -> dict[str, Any]:
+        """As :meth:`Engine.plugin_stats`, with every sequence exact first (a plugin may read them)."""
+        if self.lane is not None:
+            self.lane.flush()
+        return super().plugin_stats()
+
+    def check_invariants(self) -> None:
+        lane = self.lane
+        if lane is not None:  # the lane merges by run_order: the running list must be sorted by it
+            lane.flush()
+            running = self.scheduler.running
+            assert set(lane.outside) == set(running), "the decode lane lost track of a running sequence"
+            assert [s.run_order for s in running] == sorted(s.run_order for s in running)
+        check_invariants(self)
+
+    # --- jumping over quiet steps ----------------------------------------------------------------------------
+
+    def quiet_steps(self) -> int:
+        """How many steps from now would only move the lane (0 if the next one might do more).
+
+        After a quiet step, the next is quiet too until a lane member's event (a block boundary,
+        a full block, its last token): the pool, the queues and so every admission decision are
+        unchanged. Requests added in between are the caller's to account for (it knows arrivals).
+        """
+        lane, sched = self.lane, self.scheduler
+        if lane is None or not sched.quiet or lane.outside or sched.swapped or sched.failed:
+            return 0
+        if sched.waiting and self.allocator.hooks is not None:  # a prefix-cache lookup may have effects
+            return 0
+        nxt = lane.next_event()
+        return max(0, nxt - lane.clock - 1) if nxt is not None else 0
+
+    def skip(self, steps: int) -> None:
+        """Take ``steps`` quiet steps in one move: what ``steps`` calls of ``step(stream=False)`` would do."""
+        if not 0 <= steps <= self.quiet_steps():
+            raise ValueError(f"cannot skip {steps} steps: only {self.quiet_steps()} are quiet")
+        if not steps:
+            return
+        lane, stats = self.lane, self.stats
+        lane.skip(steps)
+        self.scheduler.step_index += steps
+        stats.steps += steps
+        stats.generated_tokens += steps * len(lane.members)
+        used = self.pool.num_used
+        if used >= stats.peak_blocks_used:  # waste at a tied peak falls as tokens grow: the last step's is the min
+            stats.observe_memory(used, self.tokens_held(), self.config.block_size, len(self.scheduler.running))

@@ -1,0 +1,127 @@
+"""The package's import graph has no cycles, and core reaches up to nothing above it.
+
+Every module's imports are read with ``ast`` (function-level imports included; those under
+``if TYPE_CHECKING:`` never run and are left out), so a cycle hidden in a lazy import
+inside a function is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins")
+
+
+def package_modules(root: Path) -> dict[str, Path]:
+    """Module name -> file, for every package pyproject maps (``[tool.setuptools.package-dir]``)."""
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules: dict[str, Path] = {}
+    for package, folder in dirs.items():
+        base = root / folder
+        for path in base.glob("*.py") if package == "pagedkv" else base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("").parts
+            name = ".".join((package, *rel))
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its body."""
+
+    def resolve(target: str) -> str | None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    found: set[str] = set()
+    is_package = path.name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(resolve(a.name) for a in node.names if a.name.startswith("pagedkv"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            if base.startswith("pagedkv"):
+                for alias in node.names:  # ``from pagedkv.core import engine`` imports the module engine
+                    full = f"{base}.{alias.name}"
+                    found.add(resolve(full) if full in modules else resolve(base))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return {m for m in found if m is not None and m != name}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    modules = package_modules(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph(ROOT)
+    assert len(graph) > 60 and "pagedkv.cli.main" in graph and "pagedkv.core.sim.simulate" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_core_imports_nothing_above_it():
+    graph = import_graph(ROOT)
+    reaching = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("pagedkv.core")
+                      for t in targets if t.startswith(ABOVE_CORE))
+    assert reaching == []
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    """The check itself: a lazy import inside a function closing a loop must be reported."""
+    dirs = '[tool.setuptools.package-dir]\n"pagedkv" = "."\n"pagedkv.core" = "core"\n'
+    (tmp_path / "pyproject.toml").write_text(dirs)
+    (tmp_path / "__init__.py").write_text("")
+    core = tmp_path / "core"
+    core.mkdir()
+    (core / "__init__.py").write_text("")
+    (core / "a.py").write_text("from pagedkv.core.b import thing\n")
+    (core / "b.py").write_text("def thing():\n    from pagedkv.core import a\n    return a\n")
+    (core / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pagedkv.core import a\n")
+    graph = import_graph(tmp_path)
+    assert graph["pagedkv.core.c"] == set()  # type-checking imports never run
+    assert find_cycle(graph) == ["pagedkv.core.a", "pagedkv.core.b", "pagedkv.core.a"]
