@@ -18,7 +18,16 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.kv_cache import KVCacheSpec
-from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
+from pagedkv.core.kv_view import KVCacheView
+from pagedkv.core.plugin_guard import (
+    Observers,
+    PluginFault,
+    PoolHook,
+    call_decision,
+    call_startup,
+    configure_plugins,
+    startup_fault,
+)
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
@@ -58,10 +67,10 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
-        self.pm.hook.pagedkv_configure(config=config, pm=self.pm)
-        backends = build_registry(self.pm, "backend", "pagedkv_register_backends")
-        allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators")
-        schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers")
+        configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
+        backends = build_registry(self.pm, "backend", "pagedkv_register_backends", startup_fault)
+        allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators", startup_fault)
+        schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers", startup_fault)
         backend_entry = backends.get(config.backend)  # fail on a bad name before loading anything
         allocator_entry = allocators.get(config.allocator)
         scheduler_entry = schedulers.get(config.scheduler)
@@ -85,12 +94,16 @@ class Engine:
         self.max_model_len = self._decide_max_model_len(hf_config)
 
         self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
-        pool_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_on_block_released") else None
-        self.pool = BlockPool(self.num_blocks, hooks=pool_hooks, events=self.events)
+        on_release = PoolHook(self.pm, "pagedkv_on_block_released", firstresult=True)
+        on_evict = PoolHook(self.pm, "pagedkv_on_block_evicted", firstresult=False)
+        self.pool = BlockPool(self.num_blocks, self.events, on_release=on_release or None, on_evict=on_evict or None)
         alloc_hooks = self.pm.hook if self._any_impl("pagedkv_match_prefix", "pagedkv_copy_on_write") else None
         self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
-        self.scheduler = scheduler_entry.factory(config, self.allocator, self.events, sched_hooks)
+        self.swap_space = call_startup(self.pm, "pagedkv_swap_space", firstresult=True, config=config, spec=self.spec)
+        self.scheduler = scheduler_entry.factory(
+            config, self.allocator, self.events, sched_hooks, swap_space=self.swap_space
+        )
         self._block_full_hook = Observers(self.pm, "pagedkv_on_block_full")
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if has_impls(
@@ -103,7 +116,9 @@ class Engine:
         else:
             from pagedkv.core.model_runner import ModelRunner
 
-            self.runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
+            self.runner = ModelRunner(
+                model, self.backend, self.spec, self.num_blocks, config.device, swap_space=self.swap_space
+            )
             self.eos_token_ids = _eos_ids(model, tokenizer)
         self.sampler = Sampler(config.seed)
         self._sharing = alloc_hooks is not None
@@ -125,7 +140,7 @@ class Engine:
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()
-        self.pm.hook.pagedkv_engine_started(engine=self)
+        call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     def _any_impl(self, *hook_names: str) -> bool:
         return any(has_impls(self.pm, name) for name in hook_names)
@@ -480,6 +495,12 @@ class Engine:
         if self._lane is not None:  # the running list is the lane plus the few outside it
             return self._lane.tokens() + sum(s.num_computed_tokens for s in self._lane.outside)
         return sum(s.num_computed_tokens for s in self.scheduler.running)
+
+    def kv_view(self) -> KVCacheView:
+        """A read-only view of the KV cache and the requests holding it (for telemetry, tests)."""
+        return KVCacheView(
+            self.pool, self.scheduler, self.config.block_size, self.swap_space, self._computed_running, self._lane
+        )
 
     def _make_output(self, request_id: str, seqs: list[Sequence], finished: bool) -> RequestOutput:
         completions = []

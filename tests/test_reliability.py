@@ -16,7 +16,7 @@ SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def all_blocks_back(engine):
-    assert engine.pool.num_free + len(engine.pool.kept) == engine.num_blocks
+    assert engine.pool.num_available == engine.num_blocks
 
 
 class BrokenObserver:
