@@ -5,15 +5,17 @@ still hold reusable KV (a plugin such as the prefix cache said so when it was
 released): it is *cached*, and it stays in the queue, in its place, until it is
 handed out for new content (evicted) or shared again (revived by :meth:`incref`).
 
-The queue is handed out from its end. Plain free blocks are added at the end,
-so the most recently freed is reused first; cached blocks join at the front,
-behind every plain block, so the cache is evicted only when no plain block is
-left, least recently released first. The pool knows nothing about sequences.
+The queue is handed out from its right end. Plain free blocks join at the
+right, so the most recently freed is reused first; cached blocks join at the
+left, behind every plain block, so the cache is evicted only when no plain
+block is left, least recently released first. Reviving a cached block takes it
+out of the queue with a scan from the left, where the most recently released
+(the likeliest to be shared again) sit. The pool knows nothing about sequences.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.core.events import EventLog
@@ -42,8 +44,8 @@ class BlockPool:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # block id -> True if cached; handed out from the end (popitem), so a fresh pool gives 0, 1, 2, ...
-        self.free_queue: OrderedDict[int, bool] = OrderedDict.fromkeys(reversed(range(num_blocks)), False)
+        self.free_queue: deque[int] = deque(reversed(range(num_blocks)))  # a fresh pool hands out 0, 1, 2, ...
+        self.cached = [False] * num_blocks  # True while a free block's content stays reusable
         self.num_cached = 0
         self.shared_refs = 0  # references beyond each block's first, summed: 0 when nothing is shared
         self.events = events or EventLog()
@@ -66,17 +68,15 @@ class BlockPool:
 
     def cached_blocks(self) -> list[int]:
         """The cached blocks, the next to be evicted first."""
-        return [block_id for block_id, cached in reversed(self.free_queue.items()) if cached]
-
-    def is_cached(self, block_id: int) -> bool:
-        return self.free_queue.get(block_id, False)
+        return list(reversed(self.free_queue))[len(self.free_queue) - self.num_cached :]
 
     def allocate(self, owner: str | None = None) -> int:
-        """Take the block at the end of the free queue (ref count 1), evicting it if it was cached."""
+        """Take the block at the right end of the free queue (ref count 1), evicting it if it was cached."""
         if not self.free_queue:
             raise OutOfBlocks("no free KV block")
-        block_id, cached = self.free_queue.popitem()
-        if cached:
+        block_id = self.free_queue.pop()
+        if self.cached[block_id]:
+            self.cached[block_id] = False
             self.num_cached -= 1
             self.events.emit("block_evict", block=block_id)
             if self.on_evict is not None:
@@ -94,8 +94,8 @@ class BlockPool:
         """
         if count > self.num_free or self.events.enabled:
             return [self.allocate(owner) for _ in range(count)]
-        pop = self.free_queue.popitem  # no cached block can be among the last `count`: they come after all plain ones
-        blocks = [pop()[0] for _ in range(count)]
+        pop = self.free_queue.pop  # (no cached block among the first `count`: they all come after the plain ones)
+        blocks = [pop() for _ in range(count)]
         refs = self.ref_counts
         for block_id in blocks:
             refs[block_id] = 1
@@ -104,9 +104,10 @@ class BlockPool:
     def incref(self, block_id: int, owner: str | None = None) -> None:
         """Share an owned block, or revive a cached one (it leaves the free queue)."""
         if self.ref_counts[block_id] == 0:
-            if not self.free_queue.get(block_id, False):
+            if not self.cached[block_id]:
                 raise ValueError(f"block {block_id} is free; it cannot be shared")
-            del self.free_queue[block_id]
+            self.free_queue.remove(block_id)
+            self.cached[block_id] = False
             self.num_cached -= 1
         else:
             self.shared_refs += 1
@@ -118,41 +119,42 @@ class BlockPool:
         self.decref_many((block_id,), owner)
 
     def decref_many(self, block_ids: Iterable[int], owner: str | None = None) -> None:
-        """Drop one reference to each block, in order. A block whose last reference goes back to
-        the free queue: cached (at the front) if ``on_release`` says its content stays reusable,
-        else plain (at the end)."""
-        refs, free, events = self.ref_counts, self.free_queue, self.events
+        """Drop one reference to each block, in order. A block whose last reference goes joins the
+        free queue: cached (at the left, behind every plain block) if ``on_release`` says its
+        content stays reusable, else plain (at the right: reused first)."""
+        refs, events, keep = self.ref_counts, self.events, self.on_release
+        free, listening = self.free_queue.append, events.enabled
         for block_id in block_ids:
             left = refs[block_id] - 1
-            if left > 0:
-                refs[block_id] = left
-                self.shared_refs -= 1
-                if events.enabled:
-                    events.emit("block_unshare", block=block_id, refs=left, owner=owner)
-            elif left == 0:
+            if left == 0:
                 refs[block_id] = 0
-                if self.on_release is not None and self.on_release(block_id):
-                    free[block_id] = True
-                    free.move_to_end(block_id, last=False)
+                if keep is not None and keep(block_id):
+                    self.free_queue.appendleft(block_id)
+                    self.cached[block_id] = True
                     self.num_cached += 1
                     events.emit("block_keep", block=block_id)
                 else:
-                    free[block_id] = False
-                    if events.enabled:
+                    free(block_id)
+                    if listening:
                         events.emit("block_free", block=block_id)
+            elif left > 0:
+                refs[block_id] = left
+                self.shared_refs -= 1
+                if listening:
+                    events.emit("block_unshare", block=block_id, refs=left, owner=owner)
             else:
                 raise ValueError(f"block {block_id} is already free (double free)")
 
     def check(self) -> None:
         """Assert the pool's invariants (used by tests and debug runs)."""
         assert self.shared_refs == sum(refs - 1 for refs in self.ref_counts if refs > 1), "shared_refs is off"
-        assert self.num_cached == sum(self.free_queue.values()), "num_cached is off"
-        cached = self.cached_blocks()
-        order = list(reversed(self.free_queue))
-        assert order[len(order) - len(cached):] == cached, "a cached block is ahead of a plain free one"
+        free = set(self.free_queue)
+        assert len(free) == len(self.free_queue), "a block is in the free queue twice"
+        assert self.num_cached == sum(self.cached), "num_cached is off"
+        assert all(self.cached[b] for b in self.cached_blocks()), "a cached block is ahead of a plain free one"
         for block_id, refs in enumerate(self.ref_counts):
             assert refs >= 0
             if refs > 0:
-                assert block_id not in self.free_queue, f"block {block_id} owned and free"
+                assert block_id not in free and not self.cached[block_id], f"block {block_id} owned and free"
             else:
-                assert block_id in self.free_queue, f"block {block_id} leaked"
+                assert block_id in free, f"block {block_id} leaked"
