@@ -92,7 +92,7 @@ class BlockPool:
         The usual case (no cached block among them, no listener) is one loop over
         local names: a static reservation of hundreds of blocks is one call.
         """
-        if count > self.num_free or self.events.enabled:
+        if count > len(self.free_queue) - self.num_cached or self.events.enabled:
             return [self.allocate(owner) for _ in range(count)]
         pop = self.free_queue.pop  # (no cached block among the first `count`: they all come after the plain ones)
         blocks = [pop() for _ in range(count)]
