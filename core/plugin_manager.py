@@ -113,8 +113,11 @@ def was_requested(pm: pluggy.PluginManager, plugin: Any) -> bool:
 
 def plugin_label(pm: pluggy.PluginManager, plugin: Any) -> tuple[str, str]:
     """(the plugin's name, the entry-point name that ``PAGEDKV_DISABLE_PLUGINS`` takes to leave it out)."""
-    name = pm.get_name(plugin) or repr(plugin)
-    return name, getattr(pm, "_pagedkv_origin", {}).get(name, name)
+    registered = pm.get_name(plugin) or repr(plugin)
+    name = registered
+    if registered == str(id(plugin)):  # registered without a name: say what it is
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+    return name, getattr(pm, "_pagedkv_origin", {}).get(registered, name)
 
 
 def plugin_sources(pm: pluggy.PluginManager) -> dict[str, PluginSource]:

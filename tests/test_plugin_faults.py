@@ -204,3 +204,11 @@ def test_engine_simulate_with_a_broken_plugin(site, monkeypatch, capsys, caplog)
     err = capsys.readouterr().err
     assert err.startswith("engine: error: pagedkv plugin 'flaky' failed in pagedkv_engine_started")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+
+def test_an_instance_registered_without_a_name_is_named_by_its_type_and_its_entry_point(site):  # noqa: F811
+    site("pagedkv-fake", {"flaky": INSTANCE_STARTED_RAISES.replace(', name="flaky.instance"', "")})
+    with pytest.raises(ConfigError, match=r"^pagedkv plugin 'State' failed in pagedkv_engine_started: "
+                                          r"RuntimeError: instance bug .*PAGEDKV_DISABLE_PLUGINS=flaky\)$"):
+        sim_engine(plugin_options={"flaky": {"on": True}})
