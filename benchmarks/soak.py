@@ -67,7 +67,7 @@ def soak(requests: int, seed: int = 0, num_blocks: int = 48, block_size: int = 8
             aborted.add(victim)
     engine.check_invariants()
     swap = engine.pm.get_plugin("cpu_swap.instance")
-    leaked = engine.num_blocks - engine.pool.num_free - len(engine.pool.kept)
+    leaked = engine.num_blocks - engine.pool.num_available
     cpu_leaked = swap.cpu_pool.num_blocks - swap.cpu_pool.num_free if swap and swap.cpu_pool else 0
     stats = engine.plugin_stats()
     return {

@@ -28,7 +28,7 @@ class PagedAllocator:
         self.pool = pool
         self.block_size = block_size
         self.hooks = hooks
-        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step must run
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies this step must run before its forward
 
     def blocks_to_reserve(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks the table must hold for ``num_tokens`` tokens."""
@@ -66,6 +66,25 @@ class PagedAllocator:
         for _ in range(new_blocks):
             seq.block_table.append(self.pool.allocate(seq.request_id))
         return True
+
+    def replace_block(self, seq: Sequence, logical_index: int) -> tuple[int, int]:
+        """Give ``seq`` a private copy of its block ``logical_index`` (copy-on-write).
+
+        A new block takes the old one's place in the table, the old reference is dropped,
+        and the copy ``(old, new)`` is returned and run on the backend before this step's forward.
+        """
+        old = seq.block_table[logical_index]
+        new = self.pool.allocate(seq.request_id)
+        seq.block_table.replace(logical_index, new)
+        self.pool.decref(old, seq.request_id)
+        self._copies.append((old, new))
+        self.pool.events.emit("block_cow", src=old, dst=new, owner=seq.request_id)
+        return old, new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies made since the last call (the scheduler puts them in this step's output)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """The logical index of the block the next token lands in, if that block is shared."""

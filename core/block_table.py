@@ -27,6 +27,10 @@ class BlockTable:
     def append(self, block_id: int) -> None:
         self.blocks.append(block_id)
 
+    def replace(self, logical: int, block_id: int) -> None:
+        """Point logical block ``logical`` at another physical block (a copy-on-write copy)."""
+        self.blocks[logical] = block_id
+
     def capacity(self, block_size: int) -> int:
         """Tokens the table can hold."""
         return len(self.blocks) * block_size

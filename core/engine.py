@@ -19,7 +19,16 @@ from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
-from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
+from pagedkv.core.kv_view import KVCacheView
+from pagedkv.core.plugin_guard import (
+    Observers,
+    PluginFault,
+    PoolHook,
+    call_decision,
+    call_startup,
+    configure_plugins,
+    startup_fault,
+)
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.request_check import check_prompt
 from pagedkv.core.runner import Runner
@@ -50,10 +59,10 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
-        self.pm.hook.pagedkv_configure(config=config, pm=self.pm)
+        configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
         # each registry's entry for the configured name: a bad name fails before anything is loaded
         backend_entry, allocator_entry, scheduler_entry = (
-            build_registry(self.pm, kind, f"pagedkv_register_{kind}s").get(name)
+            build_registry(self.pm, kind, f"pagedkv_register_{kind}s", startup_fault).get(name)
             for kind, name in (("backend", config.backend), ("allocator", config.allocator),
                                ("scheduler", config.scheduler))
         )
@@ -72,14 +81,16 @@ class Engine:
         self.max_model_len = decide_max_model_len(config, hf_config, self.capacity_tokens)
 
         self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
-        pool_hooks = self.pm.hook if has_impls(self.pm, "pagedkv_on_block_released") else None
-        self.pool = BlockPool(self.num_blocks, hooks=pool_hooks, events=self.events)
+        on_release = PoolHook(self.pm, "pagedkv_on_block_released", firstresult=True)
+        on_evict = PoolHook(self.pm, "pagedkv_on_block_evicted", firstresult=False)
+        self.pool = BlockPool(self.num_blocks, self.events, on_release=on_release or None, on_evict=on_evict or None)
         alloc_hooks = self.pm.hook if self._any_impl("pagedkv_match_prefix", "pagedkv_copy_on_write") else None
         self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
         self._sharing = alloc_hooks is not None
         forks = has_impls(self.pm, "pagedkv_fork_after_prefill")
         self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if forks else None
         sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
+        self.swap_space = call_startup(self.pm, "pagedkv_swap_space", firstresult=True, config=config, spec=self.spec)
         self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
         self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
@@ -87,21 +98,21 @@ class Engine:
         if runner is None:
             from pagedkv.core.model_runner import ModelRunner
 
-            runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
+            runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device, self.swap_space)
         self.runner = runner
         self.sampler = Sampler(config.seed)
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()
-        self.pm.hook.pagedkv_engine_started(engine=self)
+        call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
                              lambda self, ids: setattr(self.stop_check, "eos_token_ids", frozenset(ids)),
                              doc="The model's end-of-sequence ids (kept by the stop check).")
 
     def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
-        return entry.factory(self.config, self.allocator, self.events, hooks)
+        return entry.factory(self.config, self.allocator, self.events, hooks, swap_space=self.swap_space)
 
     def _any_impl(self, *hook_names: str) -> bool:
         return any(has_impls(self.pm, name) for name in hook_names)
@@ -287,6 +298,10 @@ class Engine:
         """Computed tokens in used blocks, counting a shared block once (for KV waste)."""
         forks = self._fork_hook is not None
         return tokens_held(self.scheduler, self.pool, self.config.block_size, self._sharing, forks)
+
+    def kv_view(self) -> KVCacheView:
+        """A read-only view of the KV cache and the requests holding it (for telemetry, tests)."""
+        return KVCacheView(self.pool, self.scheduler, self.config.block_size, self.swap_space)
 
     def _forget(self, seq: Sequence) -> None:
         key = self._seq_keys.pop(seq.seq_id, None)

@@ -1,7 +1,10 @@
 """The pluggy hook specifications: the contract between the core and plugins.
 
 Registrar hooks run once at engine start-up and fill typed registries; the hot
-path then calls plain methods on the chosen objects. Which decision and observer
+path then calls plain methods on the chosen objects. A plugin acts on the core
+only through these hooks, the arguments they pass and the typed protocols they
+name (:class:`~pagedkv.core.swap_space.SwapSpace`, :class:`~pagedkv.core.kv_view.KVCacheView`,
+``PagedAllocator.replace_block``); it never sets a core object's attribute. Which decision and observer
 hooks an engine calls is decided when it is built, so register plugins before
 (``Engine(plugins=...)``, entry points, or ``pagedkv_configure``), not after. Decision hooks
 (``firstresult=True``) pick one answer; observer hooks are broadcast, batched
@@ -41,7 +44,8 @@ def pagedkv_register_allocators(register: Any) -> None:
 @hookspec
 def pagedkv_register_schedulers(register: Any) -> None:
     """Register schedulers: ``register(name, factory, description)``;
-    ``factory(config, allocator, events, hooks)`` where ``hooks`` is ``pm.hook`` or None."""
+    ``factory(config, allocator, events, hooks, swap_space=...)`` where ``hooks`` is ``pm.hook`` or None and
+    ``swap_space`` is the engine's :class:`~pagedkv.core.swap_space.SwapSpace` or None."""
 
 
 # --- lifecycle -----------------------------------------------------------------------------------
@@ -58,9 +62,17 @@ def pagedkv_configure(config: Any, pm: Any) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def pagedkv_swap_space(config: Any, spec: Any) -> Any | None:
+    """Offer a place for preempted sequences' KV blocks: return a :class:`~pagedkv.core.swap_space.SwapSpace`
+    (or None). ``spec`` is the :class:`~pagedkv.core.kv_cache.KVCacheSpec`. The scheduler then calls it
+    when a preemption is answered ``"swap"``, and a real model runner asks it for its host caches."""
+
+
 @hookspec
 def pagedkv_engine_started(engine: Any) -> None:
-    """The engine is built (pool, allocator, scheduler, model runner); plugins may keep a reference."""
+    """The engine is built (pool, allocator, scheduler, model runner); plugins may keep a reference
+    and read it through public, read-only views (``engine.kv_view()``, ``engine.stats``, ``engine.config``)."""
 
 
 # --- decision points (first non-None answer wins) ----------------------------------------------
@@ -85,9 +97,9 @@ def pagedkv_fork_after_prefill(params: Any) -> bool | None:
 def pagedkv_copy_on_write(seq: Any, logical_index: int, allocator: Any) -> bool | None:
     """``seq`` is about to write into block ``logical_index``, which other sequences share.
 
-    Give it a private copy: allocate a block, append ``(old, new)`` to
-    ``allocator.pending_copies`` (run on the backend before this step's forward),
-    repoint the table and drop the old reference. Return True when done.
+    Give it a private copy with ``allocator.replace_block(seq, logical_index)`` (a new block in
+    the table, the old reference dropped, the copy run on the backend before this step's
+    forward) and return True. Without an answer the write is refused (the request fails).
     """
 
 
@@ -95,19 +107,25 @@ def pagedkv_copy_on_write(seq: Any, logical_index: int, allocator: Any) -> bool 
 def pagedkv_choose_preemption(seq: Any, scheduler: Any) -> str | None:
     """The scheduler must preempt ``seq``: answer ``"swap"`` or ``"recompute"`` (the default).
 
-    ``"swap"`` is honoured only when a swapper is attached to the scheduler
-    (``scheduler.swapper``, see the CPU swap plugin) and it has room.
+    ``"swap"`` is honoured only when the engine has a swap space (``pagedkv_swap_space``)
+    and it has room for the sequence's blocks.
     """
 
 
 @hookspec(firstresult=True)
-def pagedkv_on_block_released(block_id: int, pool: Any) -> bool | None:
-    """A block's ref count reached 0: return True to keep it (e.g. cached) instead of freeing it."""
+def pagedkv_on_block_released(block_id: int) -> bool | None:
+    """A block's ref count reached 0: return True if its content stays reusable (cached).
+
+    A cached block waits in the pool's free queue behind every plain free block until it is
+    shared again (``pool.incref``, e.g. from ``pagedkv_match_prefix``) or evicted
+    (``pagedkv_on_block_evicted``). A plugin that raises here is disabled; the block is freed.
+    """
 
 
-@hookspec(firstresult=True)
-def pagedkv_reclaim_blocks(pool: Any, num_blocks: int) -> int | None:
-    """The free pool is short of ``num_blocks``: free kept blocks (e.g. evict cache) and return how many."""
+@hookspec
+def pagedkv_on_block_evicted(block_id: int) -> None:
+    """A cached block is being handed out for new content: forget what it held.
+    A plugin that raises here is disabled; the block is handed out all the same."""
 
 
 # --- observers (broadcast) -----------------------------------------------------------------------

@@ -18,7 +18,9 @@ from pagedkv.core.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str) -> None:
+    def __init__(
+        self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str, swap_space: Any = None
+    ) -> None:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
@@ -26,7 +28,8 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
-        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # set by a swap plugin
+        # the other end of swap copies: host tensors of the swap space (pagedkv.core.swap_space), if any
+        self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 
     def build_metadata(self, out: SchedulerOutput) -> AttentionMetadata:
         return AttentionMetadata.build(

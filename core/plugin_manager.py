@@ -93,8 +93,31 @@ def make_plugin_manager(extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManag
     pm.add_hookspecs(hookspecs)
     _load_entry_points(pm)
     for plugin in extra_plugins:
-        pm.register(plugin)
+        mark_requested(pm, pm.register(plugin))
     return pm
+
+
+def mark_requested(pm: pluggy.PluginManager, name: str | None, origin: str | None = None) -> None:
+    """Remember that plugin ``name`` was asked for (so a start-up fault refuses to start, see plugin_guard);
+    ``origin``: the entry point that registered it (what ``PAGEDKV_DISABLE_PLUGINS`` names)."""
+    if name is None:
+        return
+    pm._pagedkv_requested = getattr(pm, "_pagedkv_requested", set()) | {name}  # type: ignore[attr-defined]
+    if origin is not None:
+        pm._pagedkv_origin = {**getattr(pm, "_pagedkv_origin", {}), name: origin}  # type: ignore[attr-defined]
+
+
+def was_requested(pm: pluggy.PluginManager, plugin: Any) -> bool:
+    return pm.get_name(plugin) in getattr(pm, "_pagedkv_requested", ())
+
+
+def plugin_label(pm: pluggy.PluginManager, plugin: Any) -> tuple[str, str]:
+    """(the plugin's name, the entry-point name that ``PAGEDKV_DISABLE_PLUGINS`` takes to leave it out)."""
+    registered = pm.get_name(plugin) or repr(plugin)
+    name = registered
+    if registered == str(id(plugin)):  # registered without a name: say what it is
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+    return name, getattr(pm, "_pagedkv_origin", {}).get(registered, name)
 
 
 def plugin_sources(pm: pluggy.PluginManager) -> dict[str, PluginSource]:
@@ -157,6 +180,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
                         ep.name, ep.value, dist_name or "an unknown package", source.error)
             continue
         pm.register(plugin, name=ep.name)
+        if requested:
+            mark_requested(pm, ep.name)
     missing = [name for name in wanted or () if name not in sources]
     if missing:
         known = ", ".join(sorted(sources)) or "none"
@@ -210,13 +235,28 @@ def _hook_names(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
     return sorted(caller.name for caller in pm.get_hookcallers(plugin) or ())
 
 
-def build_registry(pm: pluggy.PluginManager, kind: str, hook_name: str) -> Registry:
-    """Run one registrar hook over every plugin, remembering which plugin registered what."""
+def build_registry(
+    pm: pluggy.PluginManager,
+    kind: str,
+    hook_name: str,
+    on_fault: Callable[[pluggy.PluginManager, Any, str, Exception], None] | None = None,
+) -> Registry:
+    """Run one registrar hook over every plugin, remembering which plugin registered what.
+
+    A plugin whose registrar raises leaves no entry behind; ``on_fault(pm, plugin, hook_name, exc)``
+    decides what then happens (see ``plugin_guard.startup_fault``); without it the error propagates.
+    """
     registry = Registry(kind)
     hook = getattr(pm.hook, hook_name)
     for impl in reversed(hook.get_hookimpls()):
-        registry._current_plugin = pm.get_name(impl.plugin) or repr(impl.plugin)
-        impl.function(register=registry.register)
+        name = registry._current_plugin = pm.get_name(impl.plugin) or repr(impl.plugin)
+        try:
+            impl.function(register=registry.register)
+        except Exception as exc:
+            if on_fault is None or isinstance(exc, ConfigError):  # (a name registered twice is the user's to fix)
+                raise
+            registry.entries = {key: entry for key, entry in registry.entries.items() if entry.plugin != name}
+            on_fault(pm, impl.plugin, hook_name, exc)
     return registry
 
 

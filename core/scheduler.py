@@ -28,6 +28,7 @@ from pagedkv.core.events import EventLog
 from pagedkv.core.plugin_guard import PluginFault, call_decision
 from pagedkv.core.sequence import Sequence, SequenceStatus
 from pagedkv.core.stop_check import StopCheck
+from pagedkv.core.swap_space import SwapSpace
 
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
 _run_order = attrgetter("run_order")
@@ -82,13 +83,16 @@ class PreemptionRecord:
 class FCFSScheduler:
     name = "fcfs"
 
-    def __init__(self, config: Any, allocator: Any, events: EventLog | None = None, hooks: Any = None) -> None:
+    def __init__(
+        self, config: Any, allocator: Any, events: EventLog | None = None, hooks: Any = None,
+        swap_space: SwapSpace | None = None,
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.allocator = allocator
         self.events = events or EventLog()
         self.hooks = hooks
-        self.swapper: Any = None  # attached by a swap plugin: swap_out(seq), swap_in(seq), free(seq)
+        self.swap_space = swap_space  # where "swap" preemptions park their blocks (a plugin's), or None
         self.watermark_blocks = int(WATERMARK * allocator.pool.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -143,7 +147,7 @@ class FCFSScheduler:
             self.waiting.remove(seq)
         elif status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.swapper.free(seq)
+            self.swap_space.free(seq)
         self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -190,8 +194,7 @@ class FCFSScheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
-        out.block_copies.extend(self.allocator.pending_copies)
-        self.allocator.pending_copies.clear()
+        out.block_copies.extend(self.allocator.take_copies())
         if self.events.enabled:
             for item in out.scheduled:
                 self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
@@ -220,7 +223,11 @@ class FCFSScheduler:
             if blocks > self.allocator.pool.num_available:
                 break
             self.swapped.popleft()
-            out.swap_in.extend(self.swapper.swap_in(seq))
+            for host_block in self.swap_space.swap_in(seq):
+                block = self.allocator.pool.allocate(seq.request_id)
+                seq.block_table.append(block)
+                out.swap_in.append((host_block, block))
+                self.events.emit("block_swap_in", block=block, cpu_block=host_block, owner=seq.request_id)
             self.allocator.allocate_slots(seq, num_new)
             self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
@@ -260,9 +267,13 @@ class FCFSScheduler:
         except PluginFault as fault:
             self.fail(seq, fault)  # frees its blocks just as a preemption would
             return
-        if choice == "swap" and self.swapper is not None:
-            pairs = self.swapper.swap_out(seq)
-            if pairs is not None:
+        if choice == "swap" and self.swap_space is not None:
+            host_blocks = self.swap_space.swap_out(seq)
+            if host_blocks is not None:
+                pairs = list(zip(seq.block_table, host_blocks))
+                for block, host_block in pairs:
+                    self.events.emit("block_swap_out", block=block, cpu_block=host_block, owner=seq.request_id)
+                self.allocator.free(seq)
                 out.swap_out.extend(pairs)
                 seq.status = SequenceStatus.SWAPPED
                 seq.num_preemptions += 1

@@ -80,6 +80,6 @@ def summarize(engine: Any) -> dict:
         "preemptions": s.preemptions,
         "tokens_recomputed": s.tokens_recomputed,
         "prefill_tokens_computed": s.prefill_tokens_computed,
-        "blocks_free_at_end": engine.pool.num_free + len(engine.pool.kept),
+        "blocks_free_at_end": engine.pool.num_available,
         **engine.plugin_stats(),
     }

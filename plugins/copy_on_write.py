@@ -1,8 +1,11 @@
 """Copy-on-write for parallel sampling (``SamplingParams(n > 1)``).
 
-A request with n samples is prefilled once; its samples then fork and share
-every prompt block by reference count. The only block ever copied is a shared
-*partial* last block, just before a sample writes its next token into it.
+A request with n samples is prefilled once (``pagedkv_fork_after_prefill``: the engine
+then forks its samples, which share every prompt block by reference count). The only
+block ever copied is a shared *partial* last block, just before a sample writes its next
+token into it: the allocator sees the shared write and asks ``pagedkv_copy_on_write``,
+answered here with ``allocator.replace_block`` (a new block in the sample's table, the
+old reference dropped, the copy run before the step's forward).
 """
 
 from __future__ import annotations
@@ -27,13 +30,7 @@ class CopyOnWrite:
 
     @hookimpl
     def pagedkv_copy_on_write(self, seq: Any, logical_index: int, allocator: Any) -> bool:
-        pool = allocator.pool
-        old = seq.block_table[logical_index]
-        new = pool.allocate(seq.request_id)
-        allocator.pending_copies.append((old, new))
-        seq.block_table.blocks[logical_index] = new
-        pool.decref(old, seq.request_id)
-        pool.events.emit("block_cow", src=old, dst=new, owner=seq.request_id)
+        allocator.replace_block(seq, logical_index)
         self.copies += 1
         return True
 

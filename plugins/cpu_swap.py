@@ -1,46 +1,48 @@
 """CPU swap: preempted sequences park their KV blocks in CPU memory instead of being recomputed.
 
-The CPU pool has the device cache's layout (pinned memory on CUDA). When the
-scheduler must preempt, this plugin answers "swap" if the CPU pool has room,
-else "recompute". Swapped sequences come back before new requests are
-admitted; the copies run in batches, once per step, through the backend.
+This plugin is a :class:`~pagedkv.core.swap_space.SwapSpace` (the protocol says who calls what):
+it offers itself through ``pagedkv_swap_space`` when ``EngineConfig.swap_space`` gives it room
+for at least one block, keeps a CPU block pool of the device cache's layout (pinned memory
+on CUDA, allocated only when a real model runner asks for it), and answers
+``pagedkv_choose_preemption`` with "swap" while that pool has room, else "recompute". The
+scheduler brings swapped sequences back before admitting new requests.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.kv_cache import allocate_kv_caches
+from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
 
 
 class CpuSwap:
     def __init__(self, swap_bytes: int) -> None:
         self.swap_bytes = swap_bytes
         self.cpu_pool: BlockPool | None = None
-        self.allocator: Any = None
-        self.cpu_blocks: dict[int, list[int]] = {}  # seq.seq_id -> its blocks in the CPU pool, in table order
+        self.tables: dict[int, list[int]] = {}  # seq.seq_id -> its blocks in the CPU pool, in table order
         self.swap_outs = 0
         self.swap_ins = 0
         self.blocks_moved = 0
         self.bytes_per_block = 0
 
+    @property
+    def num_blocks(self) -> int:
+        return self.cpu_pool.num_blocks if self.cpu_pool is not None else 0
+
+    # --- hooks ----------------------------------------------------------------------------------------
+
     @hookimpl
-    def pagedkv_engine_started(self, engine: Any) -> None:
-        self.bytes_per_block = engine.spec.bytes_per_block
+    def pagedkv_swap_space(self, config: Any, spec: KVCacheSpec) -> CpuSwap | None:
+        self.bytes_per_block = spec.bytes_per_block
         num_cpu_blocks = self.swap_bytes // self.bytes_per_block
-        self.allocator = engine.allocator
         if num_cpu_blocks < 1:
-            return  # no room for even one block: every preemption recomputes
+            return None  # no room for even one block: every preemption recomputes
         self.cpu_pool = BlockPool(num_cpu_blocks)
-        engine.scheduler.swapper = self
-        if not engine.runner.kv_caches:  # a simulated run moves no bytes: book-keeping only
-            return
-        caches = allocate_kv_caches(engine.spec, num_cpu_blocks, "cpu")
-        if engine.config.device.startswith("cuda"):
-            caches = [(k.pin_memory(), v.pin_memory()) for k, v in caches]
-        engine.runner.cpu_kv_caches = caches
+        return self
 
     @hookimpl
     def pagedkv_choose_preemption(self, seq: Any, scheduler: Any) -> str:
@@ -48,45 +50,43 @@ class CpuSwap:
             return "swap"
         return "recompute"
 
-    def swap_out(self, seq: Any) -> list[tuple[int, int]] | None:
-        """Reserve CPU blocks, free the device blocks; returns (device, cpu) pairs to copy this step."""
-        if self.cpu_pool is None or len(seq.block_table) > self.cpu_pool.num_free:
-            return None
-        pairs = [(block, self.cpu_pool.allocate(seq.request_id)) for block in seq.block_table]
-        self.cpu_blocks[seq.seq_id] = [cpu for _, cpu in pairs]
-        for block, cpu in pairs:
-            self.allocator.pool.events.emit("block_swap_out", block=block, cpu_block=cpu, owner=seq.request_id)
-        self.allocator.free(seq)
-        self.swap_outs += 1
-        self.blocks_moved += len(pairs)
-        return pairs
-
-    def swap_in(self, seq: Any) -> list[tuple[int, int]]:
-        """Give the sequence fresh device blocks; returns (cpu, device) pairs to copy this step."""
-        pairs = []
-        for cpu in self.cpu_blocks.pop(seq.seq_id):
-            block = self.allocator.pool.allocate(seq.request_id)
-            seq.block_table.append(block)
-            pairs.append((cpu, block))
-            self.cpu_pool.decref(cpu)
-            self.allocator.pool.events.emit("block_swap_in", block=block, cpu_block=cpu, owner=seq.request_id)
-        self.swap_ins += 1
-        self.blocks_moved += len(pairs)
-        return pairs
-
-    def free(self, seq: Any) -> None:
-        """A swapped sequence was aborted: give back its CPU blocks."""
-        for cpu in self.cpu_blocks.pop(seq.seq_id, []):
-            self.cpu_pool.decref(cpu)
-
     @hookimpl
     def pagedkv_report_stats(self) -> dict[str, Any]:
         return {
             "swap_outs": self.swap_outs,
             "swap_ins": self.swap_ins,
             "swap_bytes_moved": self.blocks_moved * self.bytes_per_block,
-            "cpu_swap_blocks": self.cpu_pool.num_blocks if self.cpu_pool else 0,
+            "cpu_swap_blocks": self.num_blocks,
         }
+
+    # --- the SwapSpace protocol -----------------------------------------------------------------------
+
+    def swap_out(self, seq: Any) -> list[int] | None:
+        if self.cpu_pool is None or len(seq.block_table) > self.cpu_pool.num_free:
+            return None
+        blocks = self.tables[seq.seq_id] = self.cpu_pool.allocate_many(len(seq.block_table), seq.request_id)
+        self.swap_outs += 1
+        self.blocks_moved += len(blocks)
+        return list(blocks)
+
+    def swap_in(self, seq: Any) -> list[int]:
+        blocks = self.tables.pop(seq.seq_id)
+        self.cpu_pool.decref_many(blocks)
+        self.swap_ins += 1
+        self.blocks_moved += len(blocks)
+        return blocks
+
+    def free(self, seq: Any) -> None:
+        self.cpu_pool.decref_many(self.tables.pop(seq.seq_id, []))
+
+    def blocks_of(self, seq: Any) -> list[int]:
+        return list(self.tables.get(seq.seq_id, ()))
+
+    def host_kv_caches(self, spec: KVCacheSpec, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        caches = allocate_kv_caches(spec, self.num_blocks, "cpu")
+        if device.startswith("cuda"):
+            caches = [(k.pin_memory(), v.pin_memory()) for k, v in caches]
+        return caches
 
 
 @hookimpl

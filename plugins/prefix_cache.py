@@ -1,15 +1,19 @@
 """Automatic prefix caching: full blocks are found again by a hash of everything before them.
 
 A block's key is ``hash(parent key, its token ids, salt)``, so equal keys mean
-equal prefixes (token ids are compared too, since hashes can collide). A block
-whose ref count drops to 0 stays cached and evictable; eviction is LRU, and a
-finished request's tail blocks are queued first, so shared heads live longest.
-Cached blocks are evicted only when the free pool is empty.
+equal prefixes (token ids are compared too, since hashes can collide). This
+plugin only indexes blocks: a full block is registered when it fills
+(``pagedkv_on_block_full``); when its ref count drops to 0 the pool is told to
+keep it cached (``pagedkv_on_block_released``); a new request's matching blocks
+are handed to the allocator, which revives them (``pagedkv_match_prefix``);
+and a block the pool evicts is forgotten (``pagedkv_on_block_evicted``). The
+pool's free queue decides eviction: least recently released first, only when
+no plain free block is left (a finished request's tail is released first, so
+shared heads live longest).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 from pagedkv.core.hookspecs import hookimpl
@@ -19,7 +23,6 @@ class PrefixCache:
     def __init__(self) -> None:
         self.by_key: dict[int, int] = {}  # key -> block id
         self.block_info: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (key, token ids)
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # kept blocks, least recently used first
         self.block_size = 0
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -68,7 +71,6 @@ class PrefixCache:
             if block_id is None or self.block_info[block_id][1] != chunk:
                 break
             blocks.append(block_id)
-            self.evictable.pop(block_id, None)  # about to be referenced again
         hit = len(blocks) * self.block_size
         attempt = (seq.seq_id, seq.num_preemptions)
         if attempt in self._counted:  # the queue head retries admission every step: count it once
@@ -82,24 +84,14 @@ class PrefixCache:
         return blocks
 
     @hookimpl
-    def pagedkv_on_block_released(self, block_id: int, pool: Any) -> bool:
-        if block_id not in self.block_info:
-            return False
-        self.evictable[block_id] = None
-        return True
+    def pagedkv_on_block_released(self, block_id: int) -> bool:
+        return block_id in self.block_info
 
     @hookimpl
-    def pagedkv_reclaim_blocks(self, pool: Any, num_blocks: int) -> int:
-        freed = 0
-        while freed < num_blocks and self.evictable:
-            block_id, _ = self.evictable.popitem(last=False)
-            key, _ = self.block_info.pop(block_id)
-            del self.by_key[key]
-            pool.release_kept(block_id)
-            pool.events.emit("block_evict", block=block_id)
-            self.evictions += 1
-            freed += 1
-        return freed
+    def pagedkv_on_block_evicted(self, block_id: int) -> None:
+        key, _ = self.block_info.pop(block_id)
+        del self.by_key[key]
+        self.evictions += 1
 
     @hookimpl
     def pagedkv_report_stats(self) -> dict[str, Any]:
@@ -113,8 +105,10 @@ class PrefixCache:
         }
 
     def check(self, pool: Any) -> None:
-        """Invariants for tests: every evictable block is kept by the pool, keys point back."""
-        assert set(self.evictable) == pool.kept
+        """Invariants for tests: the pool's cached blocks are exactly the indexed ones nobody holds;
+        keys point back."""
+        unheld = {block_id for block_id in self.block_info if pool.ref_counts[block_id] == 0}
+        assert set(pool.cached_blocks()) == unheld
         for block_id, (key, _) in self.block_info.items():
             assert self.by_key[key] == block_id
 

@@ -5,7 +5,8 @@ and/or ``EngineConfig(trace="FILE")``. Each engine gets its own
 :class:`Telemetry` object. Per step it turns the core's events into one
 ``delta`` line (see :mod:`pagedkv.core.telemetry_protocol`); every
 ``keyframe_steps`` steps or ``keyframe_s`` seconds it adds a ``snapshot``
-built from the engine's real pool and scheduler, the source of truth.
+read from the engine's real pool and scheduler, the source of truth, through
+their public read-only view (``engine.kv_view()``, :class:`pagedkv.core.kv_view.KVCacheView`).
 
 Options (``EngineConfig.plugin_options["telemetry"]``): ``keyframe_steps`` (50),
 ``keyframe_s`` (1.0), ``heartbeat_s`` (1.0), ``queue_lines`` (1024) and
@@ -66,6 +67,7 @@ class Telemetry:
         self.queue_bytes = int(opts.get("queue_bytes", 32 << 20))
         self.socket_sndbuf = opts.get("socket_sndbuf")
         self.engine: Any = None
+        self.view: Any = None  # the engine's KVCacheView
         self.server: Any = None
         self.trace: Any = None
         self.seq = 0
@@ -87,6 +89,7 @@ class Telemetry:
         import threading
 
         self.engine = engine
+        self.view = engine.kv_view()
         self._lock = threading.Lock()
         self._hello = encode(self._hello_message())
         self._keyframe = encode(self._snapshot_message())
@@ -179,16 +182,15 @@ class Telemetry:
         name = getattr(getattr(engine.model, "config", None), "_name_or_path", None)
         model = config.model or name or (type(engine.model).__name__ if engine.model is not None else "simulated")
         return message(
-            "hello", self.seq, self._now(), num_blocks=engine.pool.num_blocks, block_size=config.block_size,
-            num_cpu_blocks=_num_cpu_blocks(engine), backend=config.backend, model=str(model),
+            "hello", self.seq, self._now(), num_blocks=self.view.num_blocks, block_size=config.block_size,
+            num_cpu_blocks=self.view.num_cpu_blocks, backend=config.backend, model=str(model),
             device=str(config.device), wall=time.time(),
         )
 
     def _snapshot_message(self, now: float | None = None) -> dict:
-        engine = self.engine
-        pool = engine.pool
+        view = self.view
         requests = []
-        for rid, seqs in _live_groups(engine).items():
+        for rid, seqs in view.requests().items():
             first = seqs[0]
             requests.append({
                 "id": rid,
@@ -197,31 +199,29 @@ class Telemetry:
                 "gen": max(len(s.output_token_ids) for s in seqs),
                 "computed": first.num_computed_tokens,
                 "blocks": list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks)),
-                "cpu_blocks": [b for s in seqs for b in _cpu_table(engine, s)],
+                "cpu_blocks": [b for s in seqs for b in view.cpu_blocks(s)],
                 "preemptions": sum(s.num_preemptions for s in seqs),
                 "samples": len(seqs) + sum(getattr(s, "pending_forks", 0) or 0 for s in seqs),
             })
         return message(
-            "snapshot", self.seq, self._now(now), step=self.step, num_blocks=pool.num_blocks,
-            block_size=self.config.block_size, refs=list(pool.ref_counts), kept=sorted(pool.kept),
+            "snapshot", self.seq, self._now(now), step=self.step, num_blocks=view.num_blocks,
+            block_size=self.config.block_size, refs=view.ref_counts(), kept=sorted(view.cached_blocks()),
             requests=requests, stats=self._stats(now if now is not None else time.monotonic()),
         )
 
     def _stats(self, now: float) -> dict:
-        engine = self.engine
-        pool, sched, stats = engine.pool, engine.scheduler, engine.stats
-        running = sched.running
-        held = sched.computed_tokens()
-        used = pool.num_used
+        view, stats = self.view, self.engine.stats
+        held = view.computed_tokens()
+        used = view.num_used
         slots = used * self.config.block_size
         return {
-            "running": len(running),
-            "waiting": len(sched.waiting),
-            "swapped": len(getattr(sched, "swapped", ()) or ()),
+            "running": view.num_running,
+            "waiting": view.num_waiting,
+            "swapped": view.num_swapped,
             "used": used,
-            "cached": len(pool.kept),
-            "free": pool.num_free,
-            "kv_usage": round(100.0 * used / pool.num_blocks, 2),
+            "cached": view.num_cached,
+            "free": view.num_free,
+            "kv_usage": round(100.0 * used / view.num_blocks, 2),
             "waste": round(max(0.0, 100.0 * (1.0 - held / slots)) if slots else 0.0, 2),
             "generated": stats.generated_tokens,
             "prompt_tokens": stats.prompt_tokens,
@@ -246,8 +246,7 @@ class Telemetry:
         return merged
 
     def _progress(self) -> dict:
-        running = self.engine.scheduler.running
-        return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in running}
+        return {s.request_id: [s.num_computed_tokens, len(s.output_token_ids)] for s in self.view.running()}
 
     def _count(self, kind: str, data: dict) -> None:
         c = self._counters
@@ -264,57 +263,25 @@ class Telemetry:
 # --- reading the engine (also used by tests to compare with a monitor's state) ------------------------
 
 
-def _live_groups(engine: Any) -> dict[str, list[Any]]:
-    sched = engine.scheduler
-    groups: dict[str, list[Any]] = {}
-    for seq in [*sched.running, *sched.waiting, *(getattr(sched, "swapped", ()) or ())]:
-        if not seq.is_finished:
-            groups.setdefault(seq.request_id, []).append(seq)
-    return groups
-
-
-def _cpu_table(engine: Any, seq: Any) -> list[int]:
-    """The sequence's blocks in the CPU swap pool (the cpu_swap plugin keeps them by ``seq_id``)."""
-    swapper = getattr(engine.scheduler, "swapper", None)
-    tables = getattr(swapper, "cpu_blocks", None)
-    if not tables:
-        return []
-    return list(tables.get(getattr(seq, "seq_id", None), ()))
-
-
-def _num_cpu_blocks(engine: Any) -> int:
-    swapper = getattr(engine.scheduler, "swapper", None)
-    cpu_pool = getattr(swapper, "cpu_pool", None)
-    if cpu_pool is not None:
-        return cpu_pool.num_blocks
-    swap = getattr(engine.config, "swap_space", None)
-    if not swap:
-        return 0
-    return int(swap) // max(1, engine.spec.bytes_per_block)  # cpu_swap's own sizing, before it starts
-
-
 def engine_cpu_map(engine: Any) -> dict[int, str]:
     """CPU swap block -> the request whose KV it holds."""
-    out = {}
-    for rid, seqs in _live_groups(engine).items():
-        for seq in seqs:
-            for b in _cpu_table(engine, seq):
-                out[b] = rid
-    return out
+    view = engine.kv_view()
+    return {b: rid for rid, seqs in view.requests().items() for seq in seqs for b in view.cpu_blocks(seq)}
 
 
 def engine_block_map(engine: Any) -> list[tuple[str, int, tuple[str, ...]]]:
     """Every GPU block as ``(state, refs, sorted holders)``: the form ``MonitorState.block_map()`` gives."""
-    pool = engine.pool
-    holders: list[list[str]] = [[] for _ in range(pool.num_blocks)]
-    for rid, seqs in _live_groups(engine).items():
+    view = engine.kv_view()
+    holders: list[list[str]] = [[] for _ in range(view.num_blocks)]
+    for rid, seqs in view.requests().items():
         for seq in seqs:
-            for b in seq.block_table.blocks:
+            for b in seq.block_table:
                 holders[b].append(rid)
+    cached = set(view.cached_blocks())
     out = []
-    for b, refs in enumerate(pool.ref_counts):
+    for b, refs in enumerate(view.ref_counts()):
         if refs == 0:
-            out.append(("cached" if b in pool.kept else "free", 0, ()))
+            out.append(("cached" if b in cached else "free", 0, ()))
         else:
             out.append(("shared" if refs > 1 else "used", refs, tuple(sorted(holders[b]))))
     return out
@@ -323,6 +290,6 @@ def engine_block_map(engine: Any) -> list[tuple[str, int, tuple[str, ...]]]:
 def engine_request_tables(engine: Any) -> dict[str, list[int]]:
     """Each live request's GPU blocks in block-table order (samples of one request: each block once)."""
     return {
-        rid: list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks))
-        for rid, seqs in _live_groups(engine).items()
+        rid: list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        for rid, seqs in engine.kv_view().requests().items()
     }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+import zlib
 
 import pytest
 
@@ -120,7 +122,7 @@ def test_paged_beats_static_and_prefix_caching_hits():
     assert paged["peak_running"] > static["peak_running"]
     assert paged["kv_waste_pct_at_peak"] < static["kv_waste_pct_at_peak"]
     assert paged["prefix_hit_rate"] > 0.5
-    assert paged["ttft_s"]["p50"] is not None and paged["throughput_tokens_per_s"] > 0
+    assert paged["ttft_s"]["p50"] > 0 and paged["throughput_tokens_per_s"] > 0
     assert [r["block_size"] for r in report["sweeps"][0]["rows"]] == [8, 32]
     assert [r["num_blocks"] for r in report["sweeps"][1]["rows"]] == [300, 600]
     # block-size sweep keeps the bytes: twice the block size, half the blocks
@@ -210,6 +212,28 @@ def test_bad_trace_names_the_line(tmp_path):
         load_workload(str(path))
 
 
+def read_png(path):
+    """(width, height, rows of RGB tuples) of an 8-bit RGB PNG with filter 0 on every row (what write_png makes)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, at = {}, 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        kind = data[at + 4 : at + 8]
+        chunks[kind] = chunks.get(kind, b"") + data[at + 8 : at + 8 + length]
+        at += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2)
+    raw = zlib.decompress(chunks[b"IDAT"])
+    stride = 1 + 3 * width
+    rows = []
+    for y in range(height):
+        line = raw[y * stride : (y + 1) * stride]
+        assert line[0] == 0
+        rows.append({tuple(line[1 + 3 * x : 4 + 3 * x]) for x in range(width)})
+    return width, height, rows
+
+
 def test_cli_json_plot_and_trace_for_the_monitor(tmp_path, capsys):
     from pagedkv.cli.main import main
     from pagedkv.monitor.trace import replay
@@ -221,9 +245,18 @@ def test_cli_json_plot_and_trace_for_the_monitor(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["paged"]["finished"] == 80 and report["static"]["finished"] == 80
     assert report["paged"]["preemptions"] > 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    state = replay(trace)  # the monitor reads the simulated run
-    assert state is not None
+    width, height, rows = read_png(png)
+    assert (width, height) == (900, 320)
+    blue_rows = [y for y, row in enumerate(rows) if (66, 114, 196) in row]  # the paged run's line
+    assert blue_rows and any((230, 126, 34) in row for row in rows)  # and the static run's
+    pad, h = 10, height - 20  # the paged line's highest point is near its peak, on a 0..num_blocks axis
+    plotted_peak = round((pad + h - blue_rows[0]) / h * 64)  # (the plotted series is sampled after each step)
+    assert report["paged"]["peak_kv_blocks_used"] - 2 <= plotted_peak <= report["paged"]["peak_kv_blocks_used"]
+    state = replay(trace)  # the monitor reads the simulated run to its end, every request finished
+    assert state.ended and state.num_blocks == 64 and state.gaps == 0 and state.unknown_events == {}
+    assert state.stats["finished"] == 80
+    assert len(state.requests) == 80 and {r.state for r in state.requests.values()} == {"finished"}
+    assert {kind for kind, _, _ in state.block_map()} <= {"free", "cached"}
     rc = main(["simulate", "--num-requests", "5", "--gpu-memory", "1GiB", "--num-params", "8e9"])
     assert rc == 2
     assert "--gpu-memory" in capsys.readouterr().err

@@ -78,9 +78,9 @@ class EngineMachine(RuleBasedStateMachine):
         swap = engine.pm.get_plugin("cpu_swap.instance")  # None when the machine drew no swap space
         if swap is not None and swap.cpu_pool is not None:
             swap.cpu_pool.check()
-            held = sum(len(v) for v in swap.cpu_blocks.values())
+            held = sum(len(v) for v in swap.tables.values())
             assert swap.cpu_pool.num_free + held == swap.cpu_pool.num_blocks
-            assert {s.seq_id for s in engine.scheduler.swapped} == set(swap.cpu_blocks)
+            assert {s.seq_id for s in engine.scheduler.swapped} == set(swap.tables)
         for seq in engine.scheduler.swapped:
             assert seq.status is SequenceStatus.SWAPPED and seq not in engine.scheduler.running
         fill: dict[int, int] = {}  # tokens held, the slow way: every block of every running table
@@ -98,7 +98,7 @@ class EngineMachine(RuleBasedStateMachine):
             engine.abort(request_id)
         assert not engine.has_unfinished()
         engine.check_invariants()
-        assert engine.pool.num_free + len(engine.pool.kept) == engine.num_blocks
+        assert engine.pool.num_available == engine.num_blocks
         swap = engine.pm.get_plugin("cpu_swap.instance")
         if swap is not None and swap.cpu_pool is not None:
             assert swap.cpu_pool.num_free == swap.cpu_pool.num_blocks

@@ -39,7 +39,8 @@ class SimEngine(Engine):
         if self._lane_wanted and not (
             self._fork_hook or self._any_impl("pagedkv_copy_on_write", "pagedkv_on_step_events")
         ) and lane_reproduces(entry.factory, self.allocator):
-            return with_decode_lane(entry.factory)(self.config, self.allocator, self.events, hooks)
+            laned = with_decode_lane(entry.factory)
+            return laned(self.config, self.allocator, self.events, hooks, swap_space=self.swap_space)
         return super()._make_scheduler(entry, hooks)
 
     def step(self, stream: bool = True) -> list[RequestOutput]:
