@@ -44,7 +44,10 @@ def test_too_little_swap_space_for_one_block_means_no_swap_space():
 
     shape = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
-    engine = Engine(EngineConfig(device="cpu", block_size=4, num_blocks=8, swap_space=16), simulate=shape)
+    from pagedkv.core.sim.simulated_runner import SimulatedRunner
+
+    config = EngineConfig(device="cpu", block_size=4, num_blocks=8, swap_space=16)
+    engine = Engine(config, runner=SimulatedRunner(shape))
     assert engine.swap_space is None and engine.scheduler.swap_space is None
     assert plugin(engine, "cpu_swap").pagedkv_report_stats()["cpu_swap_blocks"] == 0
 

@@ -15,10 +15,12 @@ import pytest
 from test_plugin_controls import site  # noqa: F401 - the fixture that installs tiny plugin distributions
 
 from conftest import drain
-from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core import cli
+from pagedkv import EngineConfig, SamplingParams
+from pagedkv.cli import main as cli
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
@@ -27,7 +29,7 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 def sim_engine(*plugins, **config):
     config = {"device": "cpu", "num_blocks": 16, "block_size": 4, **config}
-    return Engine(EngineConfig(**config), simulate=SIM_MODEL, decode_lane=False, plugins=plugins)
+    return SimEngine(EngineConfig(**config), runner=SimulatedRunner(SIM_MODEL), decode_lane=False, plugins=plugins)
 
 
 def run_all(engine, prompts):
@@ -96,6 +98,8 @@ def test_a_persistent_raise_on_eviction_cannot_wedge_the_pool(caplog):
 
 REGISTRAR_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 from pagedkv.core.scheduler import FCFSScheduler
 
 @hookimpl
@@ -106,6 +110,8 @@ def pagedkv_register_schedulers(register):
 
 CONFIGURE_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 @hookimpl
 def pagedkv_configure(config, pm):
@@ -114,6 +120,8 @@ def pagedkv_configure(config, pm):
 
 STARTED_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 @hookimpl
 def pagedkv_engine_started(engine):
@@ -122,6 +130,8 @@ def pagedkv_engine_started(engine):
 
 INSTANCE_STARTED_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sim.sim_engine import SimEngine
+from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 class State:
     @hookimpl
