@@ -147,7 +147,8 @@ def pagedkv_configure(config, pm):
 
 @pytest.mark.parametrize("source,hook", [(REGISTRAR_RAISES, "pagedkv_register_schedulers"),
                                          (CONFIGURE_RAISES, "pagedkv_configure"),
-                                         (STARTED_RAISES, "pagedkv_engine_started")])
+                                         (STARTED_RAISES, "pagedkv_engine_started")],
+                         ids=["registrar", "configure", "engine_started"])
 def test_a_plugin_raising_at_start_up_is_left_out_and_named(site, caplog, source, hook):  # noqa: F811
     names = site("pagedkv-fake", {"flaky": source})
     with caplog.at_level(logging.ERROR, logger="pagedkv"):
@@ -164,7 +165,8 @@ def test_a_plugin_raising_at_start_up_is_left_out_and_named(site, caplog, source
 
 @pytest.mark.parametrize("source,hook", [(REGISTRAR_RAISES, "pagedkv_register_schedulers"),
                                          (CONFIGURE_RAISES, "pagedkv_configure"),
-                                         (STARTED_RAISES, "pagedkv_engine_started")])
+                                         (STARTED_RAISES, "pagedkv_engine_started")],
+                         ids=["registrar", "configure", "engine_started"])
 def test_a_plugin_asked_for_by_name_that_raises_at_start_up_is_one_clear_error(site, monkeypatch, source, hook):  # noqa: F811
     site("pagedkv-fake", {"flaky": source})
     monkeypatch.setenv("PAGEDKV_PLUGINS", "flaky")
