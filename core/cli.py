@@ -15,7 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="pagedkv: a PagedAttention inference engine")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary")
-    run.add_argument("--model", default=None, help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--model", default=None,
+                     help="local HF model dir, .gguf, or cached hub id org/name (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--revision", default=None, help="branch, tag or commit of a cached hub model")
     run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
     run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
     run.add_argument("--block-size", type=int, default=16)
@@ -42,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
     run.add_argument("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    run.add_argument("--input", default=None, metavar="FILE",
+                     help="a batch file in the OpenAI batch format (JSONL: custom_id, method, url, body)")
+    run.add_argument("--output", default=None, metavar="FILE", help="where --input's results go (JSONL)")
     run.add_argument("--telemetry", default=None, metavar="ADDR",
                      help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (loopback only)")
     run.add_argument("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
@@ -97,8 +102,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
+    if (args.input is None) != (args.output is None):
+        raise PagedKVError("--input and --output go together (a batch file in, a results file out)")
     config = EngineConfig(
         model=args.model,
+        revision=args.revision,
         backend=args.backend,
         allocator=args.allocator,
         block_size=args.block_size,
@@ -120,6 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine(config)
     if not args.json:
         print(engine.capacity_line(), flush=True)
+    if args.input is not None:
+        return run_batch_files(engine, args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -152,6 +162,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
         print_report(completions, summary)
+    return 0
+
+
+def run_batch_files(engine: Any, args: argparse.Namespace) -> int:
+    """``--input``/``--output``: every result is written (and flushed) as soon as its request finishes."""
+    import os
+
+    from pagedkv.core.batch_file import run_batch
+
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise PagedKVError("--output must not be the --input file")
+    try:
+        source = open(args.input, encoding="utf-8")
+    except OSError as exc:
+        raise PagedKVError(f"cannot read --input {args.input}: {exc.strerror}") from None
+    started = time.perf_counter()
+    with source, open(args.output, "w", encoding="utf-8") as sink:
+
+        def write(line: dict) -> None:
+            sink.write(json.dumps(line) + "\n")
+            sink.flush()
+
+        ok, bad = run_batch(engine, source, write, args.model or "SmolLM2-135M-Instruct", args.max_tokens)
+    engine.stats.elapsed = time.perf_counter() - started
+    print(f"batch: {ok} succeeded, {bad} failed; results in {args.output}", file=sys.stderr)
     return 0
 
 

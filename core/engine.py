@@ -72,7 +72,7 @@ class Engine:
             if model is None:
                 from pagedkv.core.model_loader import load_model
 
-                model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+                model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision)
             else:
                 model = model.to(device=config.device, dtype=config.dtype).eval()
             hf_config = model.config
