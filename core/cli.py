@@ -9,14 +9,22 @@ import time
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.run_display import drive
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv import __version__
+
     parser = argparse.ArgumentParser(prog="engine", description="pagedkv: a PagedAttention inference engine")
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="how much pagedkv logs to stderr (default: %(default)s)")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary")
+    run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run.add_argument("--model", default=None,
-                     help="local HF model dir, .gguf, or cached hub id org/name (default: SmolLM2-135M-Instruct)")
+                     help="local HF model dir, .gguf, or cached hub id org/name "
+                     "(default: the bundled SmolLM2-135M-Instruct)%(default).0s")
     run.add_argument("--revision", default=None, help="branch, tag or commit of a cached hub model")
     run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
     run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
@@ -51,13 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (loopback only)")
     run.add_argument("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
     run.add_argument("--monitor", action="store_true", help="watch the run in the live block-map dashboard")
-    monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE")
+    monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from pagedkv.monitor.main import add_arguments as add_monitor_arguments
 
     add_monitor_arguments(monitor)
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model")
+    simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from pagedkv.core.simulate_cli import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
@@ -68,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args = parser.parse_args([*(argv or []), "run"])
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(levelname)s: %(message)s")
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -88,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if not args.json:  # before the heavy imports, so the first line comes at once
+        what = args.model or "SmolLM2-135M-Instruct"
+        print(f"engine: loading {what} ({args.backend} backend, {args.device} device)...", file=sys.stderr, flush=True)
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
@@ -144,10 +160,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         token_ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
         ids[engine.add_request(token_ids, params)] = prompt
     started = time.perf_counter()
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step(stream=False):
-            results[out.request_id] = out
+    streaming = len(ids) == 1 and args.n == 1 and not args.json
+    if streaming:
+        from rich.console import Console
+
+        Console().print(f"[bold cyan]>>> {prompts[0]}[/]")
+    results = drive(engine, list(ids), sys.stdout if streaming else None, progress=not streaming and _tty(sys.stderr))
     engine.stats.elapsed = time.perf_counter() - started
     if config.telemetry or config.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
@@ -161,8 +179,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
-        print_report(completions, summary)
+        print_report([] if streaming else completions, summary)
     return 0
+
+
+def _tty(stream: Any) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
 
 
 def run_batch_files(engine: Any, args: argparse.Namespace) -> int:

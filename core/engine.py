@@ -172,12 +172,19 @@ class Engine:
         return min(limit, self.capacity_tokens)
 
     def capacity_line(self) -> str:
+        """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
         c = self.config
-        return (
-            f"KV cache: {self.num_blocks} blocks of {c.block_size} tokens = {self.capacity_tokens} tokens; "
-            f"max concurrency for {self.max_model_len}-token requests: "
-            f"{self.capacity_tokens / self.max_model_len:.2f}x"
+        size = self.num_blocks * self.spec.bytes_per_block
+        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        fits = self.capacity_tokens // self.max_model_len
+        line = (
+            f"KV cache: {self.num_blocks} blocks of {c.block_size} tokens = {self.capacity_tokens} tokens "
+            f"({size_text}); room for about {fits} request{'s' if fits != 1 else ''} of {self.max_model_len} "
+            "tokens at once"
         )
+        if self.max_model_len > 1024:
+            line += f", or {self.capacity_tokens // 1024} of 1024 tokens"
+        return line
 
     # --- requests -------------------------------------------------------------------------------------
 
