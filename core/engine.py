@@ -124,7 +124,8 @@ class Engine:
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # request ids 0, 1, 2, ...
+        self._seq_keys_issued = itertools.count()  # a sequence's sampler key (n > 1: one per sample)
         self.pm.hook.pagedkv_engine_started(engine=self)
 
     def _any_impl(self, *hook_names: str) -> bool:
@@ -241,7 +242,7 @@ class Engine:
         seq = Sequence(
             request_id, list(token_ids), params, max_len=self.max_model_len, prompt=text, cache_salt=cache_salt
         )
-        self._seq_keys[seq.seq_id] = next(self._ids)
+        self._seq_keys[seq.seq_id] = next(self._seq_keys_issued)
         return seq
 
     def _validate(self, token_ids: list[int]) -> None:
