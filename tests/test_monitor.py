@@ -6,7 +6,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import pytest
 
@@ -262,13 +261,11 @@ def test_only_dirty_rows_are_redrawn_on_a_16k_block_map(tmp_path):
         gpu = app.query_one("#gpu", BlockMap)
         await pilot.pause()
         before = gpu.rows_built
-        started = time.perf_counter()
         for _ in range(30):
             await pilot.press("n")
-        elapsed = time.perf_counter() - started
         assert app.state.seq == 30
+        # the work is bounded by what changed, not by the map's size (speed itself belongs in benchmarks)
         assert gpu.rows_built - before <= 30 * 8, "only rows holding changed blocks are rebuilt"
-        assert elapsed < 30 * 0.1 * 3, f"30 updates took {elapsed:.2f}s"
 
     run_app(app, body, size=(160, 50))
 
