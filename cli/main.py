@@ -10,15 +10,25 @@ import sys
 import time
 from typing import Any
 
+from pagedkv.cli.run_display import drive
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.stats import summarize
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv import __version__
+
     parser = argparse.ArgumentParser(prog="engine", description="pagedkv: a PagedAttention inference engine")
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="how much pagedkv logs to stderr (default: %(default)s)")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary")
-    run.add_argument("--model", default=None, help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run.add_argument("--model", default=None,
+                     help="local HF model dir, .gguf, or cached hub id org/name "
+                     "(default: the bundled SmolLM2-135M-Instruct)%(default).0s")
+    run.add_argument("--revision", default=None, help="branch, tag or commit of a cached hub model")
     run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
     run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
     run.add_argument("--block-size", type=int, default=16)
@@ -45,17 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
     run.add_argument("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    run.add_argument("--input", default=None, metavar="FILE",
+                     help="a batch file in the OpenAI batch format (JSONL: custom_id, method, url, body)")
+    run.add_argument("--output", default=None, metavar="FILE", help="where --input's results go (JSONL)")
     run.add_argument("--telemetry", default=None, metavar="ADDR",
                      help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (loopback only)")
     run.add_argument("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
     run.add_argument("--monitor", action="store_true", help="watch the run in the live block-map dashboard")
-    monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE")
+    monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from pagedkv.monitor.main import add_arguments as add_monitor_arguments
 
     add_monitor_arguments(monitor)
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model")
+    simulate = sub.add_parser("simulate", help="capacity planning: a workload through the real scheduler, no model",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from pagedkv.cli.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
@@ -66,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args = parser.parse_args([*(argv or []), "run"])
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(levelname)s: %(message)s")
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -86,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if not args.json:  # before the heavy imports, so the first line comes at once
+        what = args.model or "SmolLM2-135M-Instruct"
+        print(f"engine: loading {what} ({args.backend} backend, {args.device} device)...", file=sys.stderr, flush=True)
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
@@ -100,8 +121,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
+    if (args.input is None) != (args.output is None):
+        raise PagedKVError("--input and --output go together (a batch file in, a results file out)")
     config = EngineConfig(
         model=args.model,
+        revision=args.revision,
         backend=args.backend,
         allocator=args.allocator,
         block_size=args.block_size,
@@ -123,6 +147,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine(config)
     if not args.json:
         print(engine.capacity_line(), flush=True)
+    if args.input is not None:
+        return run_batch_files(engine, args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -137,10 +163,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         token_ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
         ids[engine.add_request(token_ids, params)] = prompt
     started = time.perf_counter()
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step(stream=False):
-            results[out.request_id] = out
+    streaming = len(ids) == 1 and args.n == 1 and not args.json
+    if streaming:
+        from rich.console import Console
+
+        Console().print(f"[bold cyan]>>> {prompts[0]}[/]")
+    results = drive(engine, list(ids), sys.stdout if streaming else None, progress=not streaming and _tty(sys.stderr))
     engine.stats.elapsed = time.perf_counter() - started
     if config.telemetry or config.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
@@ -154,7 +182,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
-        print_report(completions, summary)
+        print_report([] if streaming else completions, summary)
+    return 0
+
+
+def _tty(stream: Any) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def run_batch_files(engine: Any, args: argparse.Namespace) -> int:
+    """``--input``/``--output``: every result is written (and flushed) as soon as its request finishes."""
+    import os
+
+    from pagedkv.cli.batch_file import run_batch
+
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise PagedKVError("--output must not be the --input file")
+    try:
+        source = open(args.input, encoding="utf-8")
+    except OSError as exc:
+        raise PagedKVError(f"cannot read --input {args.input}: {exc.strerror}") from None
+    started = time.perf_counter()
+    with source, open(args.output, "w", encoding="utf-8") as sink:
+
+        def write(line: dict) -> None:
+            sink.write(json.dumps(line) + "\n")
+            sink.flush()
+
+        ok, bad = run_batch(engine, source, write, args.model or "SmolLM2-135M-Instruct", args.max_tokens)
+    engine.stats.elapsed = time.perf_counter() - started
+    print(f"batch: {ok} succeeded, {bad} failed; results in {args.output}", file=sys.stderr)
     return 0
 
 

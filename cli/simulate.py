@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedkv.core.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
-from pagedkv.core.sim.report import format_report, jsonable, plot_blocks
+from pagedkv.core.sim.report import format_report, jsonable
 from pagedkv.core.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
 
 # --- the command line (``engine simulate``; cli/main.py adds the subparser and dispatches here) --------------------
@@ -43,7 +43,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--no-static", action="store_true", help="skip the static max-length allocator's run")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"a table over one setting ({', '.join(SWEEP_KEYS)}); repeatable")
-    p.add_argument("--plot", default=None, metavar="PNG", help="blocks in use over time, paged vs static")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="plot KV blocks in use over simulated time, paged vs static (.png/.svg/.pdf)")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the paged run for `engine monitor --replay`")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     p.add_argument("--no-decode-lane", action="store_true",
@@ -122,6 +123,8 @@ def run_cli(args: Any) -> int:
                           progress=progress, after_run=close_trace)
     report["budget"] = budget
     if args.plot:
+        from pagedkv.core.sim.plot import plot_blocks
+
         report["plot"] = plot_blocks(args.plot, report)
     if args.trace:
         report["trace"] = args.trace

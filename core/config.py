@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,22 +33,32 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 def parse_bytes(value: int | str) -> int:
-    """Accept ``1073741824``, ``"1GiB"``, ``"512MiB"``, ``"2GB"``."""
-    if isinstance(value, int):
+    """Accept ``1073741824``, ``"1GiB"``, ``"512MiB"``, ``"2GB"``, and ``"1G"``/``"512M"`` (binary, as llama.cpp
+    and vLLM's ``--swap-space`` read them: 1G = 1GiB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     text = str(value).strip().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    for suffix, scale in units.items():
+    number, scale = text, 1
+    for suffix, unit in _SIZE_UNITS.items():
         if text.lower().endswith(suffix):
-            number = text[: -len(suffix)]
-            try:
-                return int(float(number) * scale)
-            except ValueError:
-                break
+            number, scale = text[: -len(suffix)], unit
+            break
     try:
-        return int(text)
+        amount = float(number)
     except ValueError:
-        raise ConfigError(f"cannot read {value!r} as a size in bytes (e.g. 1GiB, 512MiB, 1000000)") from None
+        raise ConfigError(f"cannot read {value!r} as a size in bytes (e.g. 1GiB, 512M, 1000000)") from None
+    if not math.isfinite(amount) or amount < 0:
+        raise ConfigError(f"size {value!r} is not a finite, non-negative number of bytes")
+    if amount * scale >= 2**63:
+        raise ConfigError(f"size {value!r} is too large")
+    return int(amount * scale)
+
+
+_SIZE_UNITS = {  # longest suffixes first; a bare K/M/G/T is binary
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1,
+}
 
 
 @dataclass
@@ -60,6 +71,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    revision: str | None = None  # of a hub id in the local Hugging Face cache
     backend: str = "torch"
     allocator: str = "paged"
     scheduler: str = "fcfs"

@@ -104,7 +104,8 @@ class Engine:
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # request ids 0, 1, 2, ...
+        self._seq_keys_issued = itertools.count()  # a sequence's sampler key (n > 1: one per sample)
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
@@ -118,9 +119,16 @@ class Engine:
         return any(has_impls(self.pm, name) for name in hook_names)
 
     def capacity_line(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks of {self.config.block_size} tokens = {self.capacity_tokens} "
-                f"tokens; max concurrency for {self.max_model_len}-token requests: "
-                f"{self.capacity_tokens / self.max_model_len:.2f}x")
+        """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
+        size = self.num_blocks * self.spec.bytes_per_block
+        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        fits = self.capacity_tokens // self.max_model_len
+        line = (f"KV cache: {self.num_blocks} blocks of {self.config.block_size} tokens = {self.capacity_tokens} "
+                f"tokens ({size_text}); room for about {fits} request{'s' if fits != 1 else ''} of "
+                f"{self.max_model_len} tokens at once")
+        if self.max_model_len > 1024:
+            line += f", or {self.capacity_tokens // 1024} of 1024 tokens"
+        return line
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -167,7 +175,7 @@ class Engine:
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                       text: str | None, cache_salt: str | None) -> Sequence:
         seq = Sequence.sample_of(request_id, token_ids, params, index, self.max_model_len, text, cache_salt)
-        self._seq_keys[seq.seq_id] = next(self._ids)
+        self._seq_keys[seq.seq_id] = next(self._seq_keys_issued)
         return seq
 
     def abort(self, request_id: str) -> bool:

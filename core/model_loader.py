@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ConfigError
+from pagedkv.core.hub_cache import looks_like_hub_id, resolve_cached_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,18 +45,31 @@ def default_gguf() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """A directory with ``config.json`` and safetensors for ``model`` (converting GGUF if needed)."""
-    if model in (None, "", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
+    """A directory with ``config.json`` and safetensors for ``model`` (converting GGUF if needed).
+
+    ``model`` is a local directory, a ``.gguf`` file, a hub id already in the local Hugging Face
+    cache (``org/name``, at ``revision``), or None for the default model.
+    """
+    if model in (None, "", DEFAULT_MODEL) or (model == f"HuggingFaceTB/{DEFAULT_MODEL}" and revision is None):
         return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
+    if looks_like_hub_id(model):
+        try:
+            return resolve_cached_model(model, revision)
+        except ConfigError:
+            if model != f"HuggingFaceTB/{DEFAULT_MODEL}":
+                raise
+            return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
+    if revision is not None:
+        raise ConfigError(f"--revision applies to hub ids (org/name) in the local cache, not to {model!r}")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ConfigError(
-        f"model {model!r} is neither a local model directory (with config.json) nor a .gguf file; "
-        "pagedkv never downloads from a hub"
+        f"model {model!r} is neither a local model directory (with config.json), a .gguf file, nor a hub id "
+        "(org/name) in the local Hugging Face cache; pagedkv never downloads from a hub"
     )
 
 
@@ -91,11 +105,13 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     return target
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: str) -> tuple[Any, Any, Path]:
+def load_model(
+    model: str | None, dtype: torch.dtype, device: str, revision: str | None = None
+) -> tuple[Any, Any, Path]:
     """Load (model, tokenizer, directory), in eval mode on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_dir(model)
+    path = resolve_model_dir(model, revision)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -107,6 +123,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: str) -> tuple[Any,
 def prepare_model(config: Any, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
     """``config.model`` loaded offline, or the given model moved to the configured device and dtype."""
     if model is None:
-        model, tokenizer, _ = load_model(config.model, config.dtype, config.device)
+        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision)
         return model, tokenizer
     return model.to(device=config.device, dtype=config.dtype).eval(), tokenizer

@@ -151,7 +151,7 @@ class FCFSScheduler:
         self.allocator.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.events.emit("request_finish", request=seq.request_id, reason=reason)
+        self.events.emit("request_finish", request=seq.request_id, reason=reason, generated=len(seq.output_token_ids))
 
     # --- the step decision ----------------------------------------------------------------------
 

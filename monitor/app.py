@@ -7,6 +7,7 @@ what the reducer marks dirty.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class MonitorApp(App):
         Binding("plus,equals_sign", "speed(2.0)", "Faster", show=False),
         Binding("minus", "speed(0.5)", "Slower", show=False),
         Binding("escape", "select(None)", "Clear selection", show=False),
+        Binding("down", "move_selection(1)", "Next request", priority=True),
+        Binding("up", "move_selection(-1)", "Previous request", show=False, priority=True),
     ]
 
     def __init__(
@@ -83,14 +86,15 @@ class MonitorApp(App):
         yield Static("", id="banner")
         with Horizontal(id="main"):
             with Vertical(id="maps"):
-                yield Static("GPU blocks", id="gpu-title", classes="title")
+                yield Static("KV blocks", id="gpu-title", classes="title")
                 yield BlockMap("gpu", id="gpu")
                 yield Static("CPU swap blocks", id="cpu-title", classes="title")
                 yield BlockMap("cpu", id="cpu")
                 yield Static(self._legend(), id="legend")
             with Vertical(id="side"):
-                yield Static("Requests  [dim](enter: show its blocks)[/]", classes="title")
+                yield Static("Requests  [dim](↑/↓: show a request's blocks, esc: none)[/]", classes="title")
                 yield DataTable(id="requests", cursor_type="row", zebra_stripes=True)
+                yield Static("", id="mapping")
                 with Vertical(id="metrics"):
                     yield Static("", id="kv-label", classes="metric")
                     yield Sparkline([], id="kv", summary_function=max)
@@ -103,8 +107,8 @@ class MonitorApp(App):
 
     def on_mount(self) -> None:
         table = self.query_one("#requests", DataTable)
-        for name, header in zip(COLUMNS, HEADERS):
-            table.add_column(header, key=name or "color")
+        for name, header in zip(COLUMNS, HEADERS):  # state: as wide as its longest word from the start
+            table.add_column(header, key=name or "color", width=len("finished") if name == "state" else None)
         self.query_one("#gpu", BlockMap).attach(self.state)
         self.query_one("#cpu", BlockMap).attach(self.state)
         self._show_cpu(False)
@@ -117,7 +121,7 @@ class MonitorApp(App):
             from pagedkv.monitor.client import StreamClient
 
             self.sub_title = f"live {self.connect}"
-            self.set_banner(f"connecting to {self.connect}…", "warn")
+            self.set_banner(f"waiting for the engine at {self.connect}…", "warn")
             self.client = StreamClient(self.connect, self.pending.append,
                                        lambda kind, text: self.statuses.append((kind, text))).start()
         if self.capture is not None:
@@ -147,8 +151,8 @@ class MonitorApp(App):
         ):
             text.append(f"{glyph} ", style=f"bold {color}")
             text.append(label + "  ", style="#a8a8a8")
-        text.append(" 7", style=f"bold #000000 on {owner_color(2)}")
-        text.append(" selected: logical index", style="#a8a8a8")
+        text.append("██", style=f"bold {owner_color(2)}")
+        text.append(" selected request", style="#a8a8a8")
         return text
 
     # --- feeding the state ------------------------------------------------------------------------------
@@ -186,7 +190,10 @@ class MonitorApp(App):
             self._apply_trace_message()
         if self._cursor >= len(messages) and not self.failed and trace.error is None and not self._replay_done:
             self._replay_done = True
-            self.set_banner(f"end of replay: {len(messages)} messages, step {self.state.step}", "info")
+            if self.state.ended:
+                self.set_banner(f"run finished: {self._summary()} (end of replay)", "info")
+            else:
+                self.set_banner(f"end of replay: {len(messages)} messages, step {self.state.step}", "info")
 
     def _apply_trace_message(self) -> None:
         trace = self.trace
@@ -211,10 +218,19 @@ class MonitorApp(App):
             self.set_banner(f"connected to {text}; waiting for a snapshot…", "warn")
         elif kind == "disconnected":
             self.connected = False
-            ended = " (the run ended)" if self.state.ended else ""
-            self.set_banner(f"engine disconnected{ended}: {text} — showing the last state", "error")
+            if self.state.ended:  # the engine said goodbye: nothing went wrong
+                self.set_banner(f"run finished: {self._summary()} — q quits", "info")
+            elif self.state.seq is None:  # never got a stream yet: the engine is not up
+                self.set_banner(f"waiting for the engine at {self.connect} ({text})", "warn")
+            else:
+                self.set_banner(f"engine disconnected: {text} — showing the last state", "error")
         elif kind == "error":
             self.set_banner(text, "error")
+
+    def _summary(self) -> str:
+        s = self.state.stats
+        return (f"{s.get('finished', 0)} requests finished, {s.get('generated', 0)} tokens generated, "
+                f"{s.get('preemptions', 0)} preemptions, step {self.state.step}")
 
     # --- drawing ----------------------------------------------------------------------------------------
 
@@ -236,7 +252,9 @@ class MonitorApp(App):
         gpu, cpu = self.query_one("#gpu", BlockMap), self.query_one("#cpu", BlockMap)
         if everything:
             self._show_cpu(state.num_cpu_blocks > 0)
-            self.title = f"pagedkv monitor — {state.model}"
+            self.title = f"pagedkv monitor — {model_name(state.model)}"
+        if state.ended and self.trace is None and self.banner_kind != "info":
+            self.set_banner(f"run finished: {self._summary()} — q quits", "info")
         if self.trace is None and self.connected and state.synced and self.banner_kind == "warn":
             self.set_banner("")
         for grid, dirty in ((gpu, blocks), (cpu, cpu_blocks)):
@@ -245,6 +263,8 @@ class MonitorApp(App):
             if requests:
                 grid.refresh_selection()
         self._update_table(requests)
+        if requests and self.selected in requests or everything:
+            self._update_mapping()
         self._update_metrics()
 
     def _update_table(self, dirty: set[str]) -> None:
@@ -267,12 +287,16 @@ class MonitorApp(App):
                 table.add_row(*cells, key=rid)
                 self._table_rows.add(rid)
 
+    def _update_mapping(self) -> None:
+        req = self.state.requests.get(self.selected) if self.selected is not None else None
+        self.query_one("#mapping", Static).update(mapping_text(req) if req is not None else "")
+
     def _update_metrics(self) -> None:
         state, s = self.state, self.state.stats
         history = state.history
-        self.query_one("#kv", Sparkline).data = list(history["kv_usage"]) or [0.0]
-        self.query_one("#waste", Sparkline).data = list(history["waste"]) or [0.0]
-        self.query_one("#toks", Sparkline).data = list(history["tok_s"]) or [0.0]
+        self.query_one("#kv", Sparkline).data = list(history["kv_usage"])  # empty until data: no bar
+        self.query_one("#waste", Sparkline).data = list(history["waste"])
+        self.query_one("#toks", Sparkline).data = list(history["tok_s"])
         self.query_one("#kv-label", Static).update(
             f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]  {s.get('used', 0)} used · {s.get('cached', 0)} cached"
             f" · {state.num_blocks} blocks"
@@ -325,6 +349,16 @@ class MonitorApp(App):
         self.selected = request_id
         for grid in self.query(BlockMap):
             grid.select(request_id)
+        self._update_mapping()
+
+    def action_move_selection(self, delta: int) -> None:
+        """↑/↓ select the previous/next request wherever the focus is (no Tab first)."""
+        table = self.query_one("#requests", DataTable)
+        if not table.row_count:
+            return
+        row = 0 if self.selected is None else min(max(table.cursor_row + delta, 0), table.row_count - 1)
+        table.move_cursor(row=row)
+        self.action_select(table.coordinate_to_cell_key((row, 0)).row_key.value)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         rid = event.row_key.value
@@ -332,6 +366,28 @@ class MonitorApp(App):
 
 
 _STATE_STYLES = {"running": "bold #87d75f", "waiting": "#ffaf5f", "swapped": "#d787ff", "finished": GREY}
+
+
+def model_name(model: str) -> str:
+    """A model's name for the title: the last path part, without pagedkv's conversion-cache key."""
+    name = Path(model.rstrip("/")).name or model
+    return re.sub(r"-[0-9a-f]{12}$", "", name)
+
+
+def mapping_text(req: Any) -> Text:
+    """The request's block table as ``logical→physical`` pairs, wrapping at any width and any index."""
+    text = Text()
+    text.append(f"request {req.id}", style=f"bold {owner_color(req.color)}")
+    text.append(f" · {len(req.blocks)} blocks" + (f" + {len(req.cpu_blocks)} swapped" if req.cpu_blocks else ""),
+                style="#a8a8a8")
+    text.append("\nlogical→physical  ", style="#a8a8a8")
+    for logical, block in enumerate(req.blocks):
+        text.append(f"{logical}→{block}", style="#e4e4e4")
+        text.append("  ")
+    for logical, block in enumerate(req.cpu_blocks):
+        text.append(f"{logical}→cpu{block}", style="#d787ff")
+        text.append("  ")
+    return text
 
 
 def load_replay(path: str | Path) -> Trace:

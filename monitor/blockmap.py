@@ -29,6 +29,7 @@ LOOKS = {  # state -> (glyph, color); None: the owner's color
     "swapped": ("■", None),
 }
 GREY = "#606060"
+DIM = "#3a3a3a"  # blocks not of the selected request
 
 
 def owner_color(index: int) -> str:
@@ -53,7 +54,7 @@ class BlockMap(ScrollView, can_focus=True):
         self._rows: dict[int, Strip] = {}
         self._segments: dict[tuple, Segment] = {}
         self._blank = Segment(" " * CELL_WIDTH)
-        self._logical: dict[int, int] = {}  # block -> logical index, for the selected request
+        self._logical: dict[int, int] = {}  # block -> logical index, for the selected request (highlighted)
         self.rows_built = 0  # rows rendered since start (tests check that only dirty rows are)
 
     # --- what a cell looks like ------------------------------------------------------------------
@@ -82,14 +83,17 @@ class BlockMap(ScrollView, can_focus=True):
 
     def _segment(self, block: int) -> Segment:
         kind, color, logical = self.cell(block)
-        key = (kind, color, logical, self.greyed)
+        selecting = self.selected is not None
+        key = (kind, color, logical is not None, selecting, self.greyed)
         seg = self._segments.get(key)
         if seg is None:
             glyph = LOOKS[kind][0]
             if self.greyed:
                 seg = Segment(glyph + " ", Style(color=GREY, dim=True))
-            elif logical is not None:
-                seg = Segment(f"{logical % 100:>2}", Style(color="#000000", bgcolor=color, bold=True))
+            elif logical is not None:  # the selected request's block: a solid cell in its color
+                seg = Segment("██", Style(color=color, bold=True))
+            elif selecting:  # everything else steps back, so the selection reads at a glance
+                seg = Segment(glyph + " ", Style(color=DIM, dim=True))
             else:
                 seg = Segment(glyph + " ", Style(color=color, bold=kind == SHARED))
             self._segments[key] = seg
@@ -124,11 +128,13 @@ class BlockMap(ScrollView, can_focus=True):
                 self.refresh_line(row)
 
     def select(self, request_id: str | None) -> None:
-        """Number the request's blocks in block-table order (its logical -> physical map)."""
-        before = set(self._logical)
+        """Highlight the request's blocks and dim the rest (its logical -> physical map is listed beside)."""
+        changed = (request_id is None) != (self.selected is None)
         self.selected = request_id
         self._select_logical()
-        self.update_blocks(False, before | set(self._logical))
+        if changed or request_id is not None:
+            self._rows.clear()  # every cell's look depends on whether something is selected
+            self.refresh()
 
     def refresh_selection(self) -> None:
         """The selected request's table may have changed; renumber and redraw what moved."""

@@ -32,6 +32,7 @@ class RequestInfo:
     preemptions: int = 0
     finish_reason: str | None = None
     samples: int = 1  # sequences still live (n > 1 requests finish one sample at a time)
+    finished_generated: int = 0  # tokens of the samples that have finished, summed
 
 
 class MonitorState:
@@ -373,8 +374,12 @@ class MonitorState:
     def _ev_request_finish(self, d: dict) -> None:
         req = self._request(str(d["request"]))
         req.samples -= 1
+        if "generated" in d:  # the final count, the last sampled token included (progress lags it by one)
+            req.finished_generated += int(d["generated"])
         if req.samples <= 0:
             req.state, req.finish_reason = "finished", d.get("reason")
+            if "generated" in d:
+                req.generated = req.finished_generated
         self.dirty_requests.add(req.id)
 
 

@@ -6,7 +6,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import pytest
 
@@ -98,22 +97,44 @@ def test_keys_pause_step_and_quit(tmp_path):
     run_app(app, body)
 
 
-def test_selecting_a_request_numbers_its_blocks_in_table_order(tmp_path):
+def test_selecting_a_request_highlights_its_blocks_and_lists_its_table(tmp_path):
     app = MonitorApp(trace=load_replay(small_trace(tmp_path / "t.ndjson")), speed=0.001)
 
     async def body(pilot):
-        await pilot.press("n", "n", "n")  # a holds 0, 1, 3
+        await pilot.press("n", "n", "n")  # a holds 0, 1, 3; b holds 0 (shared) and a swapped block
         gpu = app.query_one("#gpu", BlockMap)
+        assert gpu.cell_text(1) == "■ "  # nothing selected: every block in its owner's look
         app.action_select("a")
-        assert [gpu.cell_text(b) for b in (0, 1, 3)] == [" 0", " 1", " 2"]
-        table = app.query_one("#requests")
-        table.focus()
-        await pilot.press("down", "enter")  # select b instead
-        assert app.selected == "b" and gpu.cell_text(3) == "■ "
+        assert [gpu.cell_text(b) for b in (0, 1, 3)] == ["██"] * 3
+        assert gpu.cell_text(2) == "· " and gpu._segment(2).style.dim  # the rest steps back
+        mapping = str(app.query_one("#mapping").render())
+        assert "3 blocks" in mapping and "0→0  1→1  2→3" in mapping
+        await pilot.press("down")  # arrows move the selection with no focus change first
+        assert app.selected == "b" and [gpu.cell_text(b) for b in (0, 1, 3)] == ["■ "] * 3  # a's now dimmed
+        assert "0 blocks + 1 swapped" in str(app.query_one("#mapping").render())
+        await pilot.press("up")
+        assert app.selected == "a"
         await pilot.press("escape")
-        assert app.selected is None and gpu.cell_text(0) == "■ "
+        assert app.selected is None and gpu.cell_text(1) == "■ " and str(app.query_one("#mapping").render()) == ""
 
     run_app(app, body)
+
+
+def test_mapping_stays_readable_past_index_9_and_100():
+    from pagedkv.monitor.app import mapping_text
+    from pagedkv.monitor.state import RequestInfo
+
+    req = RequestInfo("7", 0, blocks=list(range(500, 620)))
+    text = mapping_text(req).plain
+    assert "9→509  10→510  11→511" in text and "99→599  100→600" in text and "119→619" in text
+
+
+def test_title_shows_the_model_name_not_its_cache_path():
+    from pagedkv.monitor.app import model_name
+
+    assert model_name("/root/.cache/pagedkv/models/SmolLM2-135M-Instruct-286ffa1abfe7") == "SmolLM2-135M-Instruct"
+    assert model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    assert model_name("simulated") == "simulated"
 
 
 def test_a_truncated_trace_shows_an_error_banner_naming_the_line(tmp_path):
@@ -191,6 +212,40 @@ def test_the_disconnect_banner_appears_and_the_last_state_is_greyed(tmp_path):
     run_app(app, body)
 
 
+def test_a_run_that_ends_shows_run_finished_with_its_summary_not_an_error(tmp_path):
+    trace = small_trace(tmp_path / "t.ndjson")
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    lines[-1]["stats"].update(finished=2, generated=12, preemptions=0)
+    lines.append(_msg("end", len(lines) - 2, 5.0, step=4))
+    fake = FakeEngine(tmp_path / "e.sock", lines)
+    app = MonitorApp(connect=f"unix:{tmp_path / 'e.sock'}")
+
+    async def body(pilot):
+        for _ in range(60):
+            await pilot.pause(0.05)
+            if app.state.ended:
+                break
+        await pilot.pause(0.2)
+        assert app.banner_kind == "info" and "run finished: 2 requests finished, 12 tokens" in app.banner_text
+        fake.go_away.set()
+        for _ in range(20):
+            await pilot.pause(0.05)
+        assert app.banner_kind == "info" and "run finished" in app.banner_text  # the hang-up is no error
+
+    run_app(app, body)
+
+
+def test_before_the_engine_is_up_the_monitor_says_it_is_waiting(tmp_path):
+    app = MonitorApp(connect=f"unix:{tmp_path / 'absent.sock'}")
+
+    async def body(pilot):
+        await pilot.pause(0.3)
+        assert app.banner_kind == "warn" and f"waiting for the engine at unix:{tmp_path}" in app.banner_text
+        assert app.query_one("#kv").data == []  # no data yet: an empty sparkline, not a solid bar
+
+    run_app(app, body)
+
+
 def test_only_dirty_rows_are_redrawn_on_a_16k_block_map(tmp_path):
     n = 16384
     msgs = [_msg("hello", 0, 0.0, num_blocks=n, block_size=16, backend="torch", model="m"),
@@ -206,13 +261,11 @@ def test_only_dirty_rows_are_redrawn_on_a_16k_block_map(tmp_path):
         gpu = app.query_one("#gpu", BlockMap)
         await pilot.pause()
         before = gpu.rows_built
-        started = time.perf_counter()
         for _ in range(30):
             await pilot.press("n")
-        elapsed = time.perf_counter() - started
         assert app.state.seq == 30
+        # the work is bounded by what changed, not by the map's size (speed itself belongs in benchmarks)
         assert gpu.rows_built - before <= 30 * 8, "only rows holding changed blocks are rebuilt"
-        assert elapsed < 30 * 0.1 * 3, f"30 updates took {elapsed:.2f}s"
 
     run_app(app, body, size=(160, 50))
 

@@ -49,7 +49,7 @@ def test_engine_run_json_reports_capacity_completions_and_summary(smollm2_dir, c
 def test_engine_run_prints_capacity_line_and_summary_table(smollm2_dir, capsys):
     assert main(["run", "--max-tokens", "4", "--prompt", "Hello!", "--num-blocks", "32"]) == 0
     out = capsys.readouterr().out
-    assert "KV cache: 32 blocks of 16 tokens = 512 tokens; max concurrency for 512-token requests: 1.00x" in out
+    assert "KV cache: 32 blocks of 16 tokens = 512 tokens (22.5 MiB); room for about 1 request of 512 tokens" in out
     assert "pagedkv run summary" in out and "preemptions" in out
 
 

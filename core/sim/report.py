@@ -1,10 +1,7 @@
-"""How ``engine simulate`` shows its results: a text table, JSON, and a PNG of blocks in use."""
+"""How ``engine simulate`` shows its results: a text table and JSON (the plot is in plot.py)."""
 
 from __future__ import annotations
 
-import struct
-import zlib
-from pathlib import Path
 from typing import Any
 
 from pagedkv.core.sim.simulate import SWEEP_COLUMNS
@@ -116,66 +113,3 @@ def jsonable(report: dict) -> dict:
         return obj
 
     return clean(report)
-
-
-# --- the plot: a PNG written by hand (no matplotlib needed) ---------------------------------------------------------
-
-
-def write_png(path: str | Path, pixels: list[bytearray], width: int, height: int) -> None:
-    """RGB rows -> a PNG file (zlib, one filter byte per row)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
-
-
-def plot_blocks(path: str | Path, report: dict, width: int = 900, height: int = 320) -> str:
-    """Blocks in use over simulated time: paged (blue, filled), static (orange line), capacity (grey).
-
-    Returns a caption with the axes' ranges (the PNG has no text).
-    """
-    runs = [(report["paged"], (66, 114, 196), True)]
-    if report.get("static"):
-        runs.append((report["static"], (230, 126, 34), False))
-    t_max = max((r["series"]["t"][-1] for r, _, _ in runs if len(r["series"]["t"])), default=1.0) or 1.0
-    y_max = max(r["num_blocks"] for r, _, _ in runs)
-    pad = 10
-    w, h = width - 2 * pad, height - 2 * pad
-    pixels = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
-
-    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            pixels[y][3 * x : 3 * x + 3] = bytes(rgb)
-
-    for x in range(pad, pad + w):  # axes and the capacity line
-        put(x, pad + h, (0, 0, 0))
-        put(x, pad, (150, 150, 150))
-    for y in range(pad, pad + h + 1):
-        put(pad, y, (0, 0, 0))
-    for result, rgb, fill in runs:
-        t, used = result["series"]["t"], result["series"]["blocks_used"]
-        column: list[int] = [-1] * w  # the max blocks used in each pixel column
-        for ti, ui in zip(t, used):
-            x = min(w - 1, int(ti / t_max * (w - 1)))
-            if ui > column[x]:
-                column[x] = ui
-        last = 0
-        for x in range(min(w, int(t[-1] / t_max * (w - 1)) + 1) if len(t) else 0):
-            value = column[x] if column[x] >= 0 else last
-            last = value
-            top = pad + h - int(value / y_max * h)
-            if fill:
-                light = tuple(min(255, c + (255 - c) * 2 // 3) for c in rgb)
-                for y in range(top, pad + h):
-                    put(pad + x, y, light)
-            put(pad + x, top, rgb)
-            put(pad + x, top + 1, rgb)
-    write_png(path, pixels, width, height)
-    return (
-        f"plot: {path} (x: simulated time 0..{t_max:.1f} s; y: KV blocks in use 0..{y_max}, grey line = capacity; "
-        "blue filled = paged" + (", orange = static" if report.get("static") else "") + ")"
-    )

@@ -1,0 +1,209 @@
+"""Batch files in the OpenAI batch format (what ``vllm run-batch`` reads and writes).
+
+Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}``. Each output line is ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
+crash loses nothing that had finished. A bad line gets an error line of its own; the rest run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.core.errors import PagedKVError
+from pagedkv.core.sampling_params import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+# OpenAI body field -> SamplingParams field; pagedkv's extras (top_k, min_tokens, ...) keep their names
+_PARAM_FIELDS = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+    "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "top_k": "top_k", "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+_IGNORED_FIELDS = {"model", "user", "stream", "stream_options", "messages", "prompt"}
+
+
+class BatchLineError(PagedKVError):
+    """One line of a batch file cannot run; it gets an error line, the others go on."""
+
+
+@dataclass
+class BatchRequest:
+    custom_id: str
+    url: str
+    prompts: list[list[int]]  # token ids, one entry per prompt (a completion may carry several)
+    params: SamplingParams
+    engine_ids: list[str] = field(default_factory=list)
+
+
+def parse_line(line: str, tokenizer: Any, default_max_tokens: int) -> BatchRequest:
+    """Check one input line and turn its body into token ids and sampling parameters."""
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise BatchLineError(f"not a JSON object: {exc}") from None
+    if not isinstance(item, dict):
+        raise BatchLineError("each line must be a JSON object")
+    custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchLineError("'custom_id' must be a non-empty string")
+    if item.get("method", "POST") != "POST":
+        raise BatchLineError(f"{custom_id}: 'method' must be POST")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    if not isinstance(body, dict):
+        raise BatchLineError(f"{custom_id}: 'body' must be an object")
+    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _IGNORED_FIELDS)
+    if unknown:
+        raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
+    kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
+    for key, name in _PARAM_FIELDS.items():
+        if body.get(key) is not None:
+            kwargs[name] = body[key]
+    if isinstance(kwargs.get("stop"), str):
+        kwargs["stop"] = [kwargs["stop"]]
+    try:
+        params = SamplingParams(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BatchLineError(f"{custom_id}: {exc}") from None
+    prompts = _chat_prompt(custom_id, body, tokenizer) if url == CHAT_URL else _completion_prompts(custom_id, body,
+                                                                                                   tokenizer)
+    return BatchRequest(custom_id, url, prompts, params)
+
+
+def _chat_prompt(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
+    from pagedkv.core.llm import apply_chat_template
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise BatchLineError(f"{custom_id}: 'messages' must be a non-empty list of {{role, content}} strings")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise BatchLineError(f"{custom_id}: this model has no chat template; use {COMPLETIONS_URL} with a prompt")
+    return [apply_chat_template(tokenizer, messages)]
+
+
+def _completion_prompts(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BatchLineError(f"{custom_id}: 'prompt' must be a string, a list of strings or a list of token ids")
+    prompts = []
+    for p in prompt:
+        if isinstance(p, str):
+            prompts.append(list(tokenizer(p)["input_ids"]))
+        elif isinstance(p, list) and p and all(type(t) is int for t in p):
+            prompts.append(p)
+        else:
+            raise BatchLineError(f"{custom_id}: each prompt must be a string or a non-empty list of token ids")
+    return prompts
+
+
+def error_line(custom_id: str | None, message: str, status_code: int = 400) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": f"req_{uuid.uuid4().hex}",
+                     "body": {"error": {"message": message, "type": "invalid_request_error"}}},
+        "error": {"code": "invalid_request" if status_code == 400 else "server_error", "message": message},
+    }
+
+
+def response_line(request: BatchRequest, outputs: list[Any], model_name: str) -> dict:
+    """The OpenAI response object for a finished request (``outputs``: one RequestOutput per prompt)."""
+    failed = [c.error or "request failed" for out in outputs for c in out.outputs if c.finish_reason == "error"]
+    if failed:
+        return error_line(request.custom_id, failed[0], status_code=500)
+    chat = request.url == CHAT_URL
+    choices = []
+    for out in outputs:
+        for c in out.outputs:
+            choice: dict[str, Any] = {"index": len(choices), "finish_reason": _finish_reason(c.finish_reason),
+                                      "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
+            "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return "stop" if reason in ("stop", "abort") else reason
+
+
+def run_batch(
+    engine: Any, lines: Iterable[str], write: Callable[[dict], None], model_name: str, default_max_tokens: int = 256,
+    on_finish: Callable[[], None] | None = None,
+) -> tuple[int, int]:
+    """Run every line through ``engine``, calling ``write`` with each output line as it is ready.
+
+    Returns (succeeded, failed) counts.
+    """
+    from pagedkv.core.errors import RequestRejected
+
+    pending: dict[str, tuple[BatchRequest, dict[str, Any]]] = {}  # engine request id -> (request, outputs so far)
+    ok = bad = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            request = parse_line(line, engine.tokenizer, default_max_tokens)
+        except BatchLineError as exc:
+            write(error_line(_custom_id_of(line), f"line {number}: {exc}"))
+            bad += 1
+            continue
+        try:
+            for prompt in request.prompts:
+                request.engine_ids.append(engine.add_request(prompt, request.params))
+        except RequestRejected as exc:
+            for rid in request.engine_ids:  # a request runs whole or not at all
+                engine.abort(rid)
+            write(error_line(request.custom_id, f"line {number}: {exc}"))
+            bad += 1
+            continue
+        results: dict[str, Any] = {}
+        for rid in request.engine_ids:
+            pending[rid] = (request, results)
+    while engine.has_unfinished():
+        for out in engine.step(stream=False):
+            request, results = pending.pop(out.request_id)
+            results[out.request_id] = out
+            if len(results) == len(request.engine_ids):
+                line = response_line(request, [results[r] for r in request.engine_ids], model_name)
+                write(line)
+                ok, bad = (ok + 1, bad) if line["error"] is None else (ok, bad + 1)
+                if on_finish is not None:
+                    on_finish()
+    return ok, bad
+
+
+def _custom_id_of(line: str) -> str | None:
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    value = item.get("custom_id") if isinstance(item, dict) else None
+    return value if isinstance(value, str) else None
