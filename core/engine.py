@@ -18,12 +18,14 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.kv_cache import KVCacheSpec
+from pagedkv.core.logprobs import record_prompt_logprobs
 from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.sampler import Sampler
+from pagedkv.core.sampling_batch import SamplingBatch
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import SchedulerOutput
-from pagedkv.core.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from pagedkv.core.sequence import RequestOutput, Sequence, SequenceStatus
 from pagedkv.core.simulated_runner import SimulatedRunner
 from pagedkv.core.stats import RunStats
 
@@ -199,6 +201,7 @@ class Engine:
         params = params or SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
         self._validate(token_ids)
+        params.check_vocab(self.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -339,15 +342,20 @@ class Engine:
                 row += 1
         for seq in filled:
             self._report_full_blocks(seq, seq.num_computed_tokens - 1)
+        if self.model is not None and logits.shape[0] > row:  # rows past the sampling ones: prompt logprobs
+            record_prompt_logprobs(out.scheduled, logits[row:])
         tokens: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
         if sampling:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows, device=logits.device)]
             banned = [self._banned(s) if s.params.min_tokens else () for s in sampling]
-            tokens = self.sampler.sample(logits, sampling, lambda s: self._seq_keys[s.seq_id], banned)
+            batch = SamplingBatch.of(sampling, banned, [self._seq_keys[s.seq_id] for s in sampling])
+            result = self.sampler.sample(logits, batch)
+            tokens, logprobs = result.tokens, result.logprobs
         touched: dict[str, None] = {}
-        for seq, token in zip(sampling, tokens):
-            seq.output_token_ids.append(token)
+        for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
+            seq.append_token(token, token_logprobs)
             self.stats.generated_tokens += 1
         if out.lane_decodes:
             self.stats.generated_tokens += out.lane_decodes
@@ -486,13 +494,11 @@ class Engine:
         for index, seq in enumerate(seqs):
             if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
                 seq.output_text = self._decode(seq.output_token_ids)
-            completions.append(
-                CompletionOutput(
-                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
-                )
-            )
+            completions.append(seq.completion(index))
         first = seqs[0]
-        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
+        return RequestOutput(
+            request_id, first.prompt, list(first.prompt_token_ids), completions, finished, first.prompt_logprobs_out()
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
