@@ -198,7 +198,8 @@ class Engine:
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
-        params = params or SamplingParams()
+        # a re-checked private copy: the caller's later edits to ``params`` cannot reach a step
+        params = params.checked_copy() if params is not None else SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
         self._validate(token_ids)
         params.check_vocab(self.vocab_size)

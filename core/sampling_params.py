@@ -55,6 +55,33 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if not self._plain():
+            self._check()
+
+    def _plain(self) -> bool:
+        """The usual request, already in canonical form, checked in one expression (a simulation adds
+        100k requests: the field-by-field checks with their messages run only when this says no)."""
+        n, seed, temperature = self.n, self.seed, self.temperature
+        return (
+            type(n) is int and 1 <= n <= MAX_N
+            and type(self.max_tokens) is int and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT
+            and type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens
+            and type(temperature) is float and (temperature == 0.0 or MIN_TEMPERATURE <= temperature < math.inf)
+            and type(self.top_k) is int and self.top_k >= 0
+            and type(self.top_p) is float and 0.0 < self.top_p <= 1.0
+            and type(self.min_p) is float and 0.0 <= self.min_p <= 1.0
+            and type(self.repetition_penalty) is float and 0.0 < self.repetition_penalty < math.inf
+            and type(self.presence_penalty) is float and -2.0 <= self.presence_penalty <= 2.0
+            and type(self.frequency_penalty) is float and -2.0 <= self.frequency_penalty <= 2.0
+            and (seed is None or type(seed) is int and 0 <= seed <= MAX_SEED - n + 1)
+            and type(self.ignore_eos) is bool
+            and type(self.stop) is list and not self.stop
+            and type(self.stop_token_ids) is list and not self.stop_token_ids
+            and type(self.logit_bias) is dict and not self.logit_bias
+            and self.logprobs is None and self.prompt_logprobs is None
+        )
+
+    def _check(self) -> None:
         self.n = _count("n", self.n, 1, MAX_N)
         self.max_tokens = _count("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         self.min_tokens = _count("min_tokens", self.min_tokens, 0, self.max_tokens)
@@ -83,6 +110,15 @@ class SamplingParams:
             self.logprobs = _count("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _count("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+
+    def checked_copy(self) -> SamplingParams:
+        """A copy checked again (fields may have been edited since construction) that shares no container
+        with this one, so the caller's later edits cannot reach a running request."""
+        new = object.__new__(SamplingParams)
+        new.__dict__.update(self.__dict__)
+        new.__post_init__()
+        new.stop, new.stop_token_ids, new.logit_bias = list(new.stop), list(new.stop_token_ids), dict(new.logit_bias)
+        return new
 
     @property
     def greedy(self) -> bool:
