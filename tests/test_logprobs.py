@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -92,3 +94,20 @@ def test_prompt_logprobs_survive_chunked_prefill_prefix_caching_and_preemption(t
     for out in outs:
         check_request(tiny_llama, out, 1, 3)
     assert llm.engine.pool.num_free + len(llm.engine.pool.kept) == llm.engine.num_blocks
+
+
+def test_engine_run_flags_reach_sampling_and_json_shows_logprobs(smollm2_dir, capsys):
+    from pagedkv.core.cli import main
+
+    argv = ["run", "--json", "--max-tokens", "5", "--prompt", "Say hi.", "--num-blocks", "32", "--temperature", "0.8",
+            "--min-p", "0.05", "--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty",
+            "0.5", "--logprobs", "2"]
+    assert main(argv) == 0
+    completion = json.loads(capsys.readouterr().out)["completions"][0]
+    assert 1 <= len(completion["logprobs"]) <= 5 and all(2 <= len(entry) <= 3 for entry in completion["logprobs"])
+    assert completion["cumulative_logprob"] == pytest.approx(
+        sum(next(iter(entry.values())) for entry in completion["logprobs"]), abs=1e-6
+    )
+    assert main(["run", "--max-tokens", "2", "--num-blocks", "32", "--presence-penalty", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "engine: error: presence_penalty must be in [-2.0, 2.0], got 3.0\n"
