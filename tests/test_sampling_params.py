@@ -105,3 +105,12 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_add_request(llm, field)
     with pytest.raises(RequestRejected, match=f"{field}.*211"):
         llm.engine.add_request([1, 2], SamplingParams(**{field: value}))
     assert not llm.engine.has_unfinished()
+
+
+def test_generate_checks_every_request_before_running_any(llm):
+    good = SamplingParams(max_tokens=2)
+    bad = SamplingParams(max_tokens=2, logit_bias={5: 1.0})
+    bad.logit_bias[999] = 1.0  # outside the vocabulary of 211
+    with pytest.raises(RequestRejected, match="logit_bias"):
+        llm.generate([[1, 2], [3, 4]], [good, bad])
+    assert not llm.engine.has_unfinished()
