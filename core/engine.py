@@ -345,6 +345,7 @@ class Engine:
             self._report_full_blocks(seq, seq.num_computed_tokens - 1)
         if self.model is not None and logits.shape[0] > row:  # rows past the sampling ones: prompt logprobs
             record_prompt_logprobs(out.scheduled, logits[row:])
+            logits = logits[:row]
         tokens: list[int] = []
         logprobs: list[dict[int, float] | None] = []
         if sampling:

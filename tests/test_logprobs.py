@@ -111,3 +111,13 @@ def test_engine_run_flags_reach_sampling_and_json_shows_logprobs(smollm2_dir, ca
     assert main(["run", "--max-tokens", "2", "--num-blocks", "32", "--presence-penalty", "3"]) == 2
     err = capsys.readouterr().err
     assert err == "engine: error: presence_penalty must be in [-2.0, 2.0], got 3.0\n"
+
+
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_forked_samples_get_their_own_logprobs_next_to_prompt_rows(tiny_llama, copy_on_write):
+    llm = LLM(hf_model=tiny_llama, device="cpu", num_blocks=64, block_size=4, enable_copy_on_write=copy_on_write)
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=8, logprobs=2, prompt_logprobs=1)
+    for prompt in ([6, 7, 8], [1, 2, 3, 4, 5]):  # 3 tokens: as many logits rows (2 prompt, 1 shared) as samples
+        out = llm.generate([prompt], params)[0]
+        check_request(tiny_llama, out, 2, 1)
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
