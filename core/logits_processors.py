@@ -87,23 +87,45 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: SequenceOf[int], top_p: SequenceOf[float]) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits (ties at the k-th kept; 0 = off), then the smallest set of
-    those whose renormalized probability reaches ``top_p`` (1 = off). One sort for the whole batch."""
+    those whose renormalized probability reaches ``top_p`` (1 = off).
+
+    When every row has a small ``top_k`` (the usual 20..100 of a 50k vocabulary), one ``topk`` replaces
+    the full sort and top-p runs on those few columns; otherwise one sort serves the whole batch.
+    """
     vocab = logits.shape[-1]
-    use_k = any(0 < k < vocab for k in top_k)
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    use_k = any(k < vocab for k in ks)
     use_p = any(p < 1.0 for p in top_p)
     if not (use_k or use_p):
         return logits
     device = logits.device
+    limit = torch.tensor([1.0 - p for p in top_p], dtype=logits.dtype, device=device).unsqueeze(1)
+    kmax = max(ks)
+    if use_k and kmax <= vocab // 8:
+        values, ids = logits.topk(kmax, dim=-1)  # descending
+        kth = values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
+        keep = logits >= kth  # transformers' rule: a tie with the k-th value stays
+        if not use_p:
+            return logits.masked_fill(~keep, NEG_INF)
+        if int(keep.sum(dim=-1).max()) <= kmax:  # no tie reaches past the kmax-th: the kept set is values' prefix
+            ascending = values.masked_fill(values < kth, NEG_INF).flip(1)
+            return _scatter_top_p(torch.full_like(logits, NEG_INF), ids.flip(1), ascending, limit)
     ascending, order = logits.sort(dim=-1)
     if use_k:
-        first_kept = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k], device=device)
+        first_kept = torch.tensor([vocab - k for k in ks], device=device)
         kth = ascending.gather(1, first_kept.unsqueeze(1))
         ascending = ascending.masked_fill(ascending < kth, NEG_INF)
-    if use_p:
-        # 1 - p in double, then float32, as transformers compares: boundaries land on the same tokens
-        limit = torch.tensor([1.0 - p for p in top_p], dtype=logits.dtype, device=device)
-        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
-        drop = cumulative <= limit.unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        ascending = ascending.masked_fill(drop, NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+    return _scatter_top_p(torch.empty_like(logits), order, ascending, limit) if use_p else (
+        torch.empty_like(logits).scatter_(1, order, ascending)
+    )
+
+
+def _scatter_top_p(
+    out: torch.Tensor, order: torch.Tensor, ascending: torch.Tensor, limit: torch.Tensor
+) -> torch.Tensor:
+    """Top-p on ascending logits (transformers' rule: drop while the mass up to here is <= 1 - p; 1 - p in
+    double, then float32, as it compares), written back to ``out`` at ``order``."""
+    cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    drop = cumulative <= limit
+    drop[:, -1] = False  # the most likely token always stays
+    return out.scatter_(1, order, ascending.masked_fill(drop, NEG_INF))

@@ -88,6 +88,33 @@ def test_top_k_then_top_p_matches_transformers_chain(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("with_top_p", [False, True])
+def test_small_top_k_fast_path_matches_transformers_chain(seed, with_top_p):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(5, 1000, generator=gen) * 3).round(decimals=2)
+    logits[2, 10:14] = logits[2].max() + 1  # a four-way tie at the top of a top_k=2 row
+    ks, ps = [5, 50, 2, 100, 1], ([0.9, 0.5, 0.99, 0.3, 0.7] if with_top_p else [1.0] * 5)
+    ours = apply_top_k_top_p(logits.clone(), ks, ps)
+    for row in range(5):
+        want = hf(TopKLogitsWarper(ks[row]), logits[row])
+        if ps[row] < 1:
+            want = hf(TopPLogitsWarper(ps[row]), want)
+        assert torch.equal(ours[row], want), row
+    assert int(torch.isfinite(ours[2]).sum()) == 4
+
+
+def test_a_tie_past_the_largest_k_falls_back_to_the_full_sort():
+    logits = torch.zeros(2, 100)
+    logits[0, :3] = 5.0  # top_k=2 keeps all three tied logits, beyond kmax=2 columns
+    logits[1] = torch.linspace(-3, 3, 100)
+    ours = apply_top_k_top_p(logits.clone(), [2, 2], [0.99, 0.99])
+    for row in range(2):
+        want = hf(TopPLogitsWarper(0.99), hf(TopKLogitsWarper(2), logits[row]))
+        assert torch.equal(ours[row], want), row
+    assert int(torch.isfinite(ours[0]).sum()) == 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_min_p_matches_transformers(seed):
     logits = random_logits(5, seed)
     min_ps = [0.0, 0.01, 0.1, 0.5, 1.0]
