@@ -130,6 +130,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model (the engine calls this at ``add_request``)."""
+        if not (self.stop_token_ids or self.logit_bias):
+            return
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
