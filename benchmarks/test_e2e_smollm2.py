@@ -408,7 +408,7 @@ def instrument(llm: Any) -> _Timers:
     timers.wrap(e, "_update", "update")
     timers.wrap(e.sampler, "sample", "sample")
     timers.wrap(e, "_observe", "observe")
-    timers.wrap(e, "_make_output", "make_output")
+    timers.wrap(e, "_emit", "make_output")
     return timers
 
 
@@ -424,7 +424,7 @@ def breakdown(timers: _Timers, total: float) -> list[tuple[str, float]]:
         ("sampling (sampler.sample)", s["sample"]),
         ("update/finish minus sampling", s["update"] - s["sample"]),
         ("stats (_observe)", s["observe"]),
-        ("outputs/detokenize (_make_output)", s["make_output"]),
+        ("outputs/detokenize (_emit)", s["make_output"]),
         ("rest of engine.step", s["step"] - s["schedule"] - s["execute"] - s["update"] - s["observe"]
          - s["make_output"]),
         ("LLM.generate outside step", total - s["step"]),

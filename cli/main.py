@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt + output tokens; 1 = off")
+    run.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, over output tokens")
+    run.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, over output tokens")
+    run.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="report each generated token's logprob and the top K (--json shows them)")
     run.add_argument("--ignore-eos", action="store_true")
     run.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
     run.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
@@ -144,19 +150,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         telemetry=getattr(args, "telemetry", None),
         trace=getattr(args, "trace", None),
     )
+    params = SamplingParams(  # before the model loads: a bad value costs nothing
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
+        n=args.n,
+    )
     engine = Engine(config)
     if not args.json:
         print(engine.capacity_line(), flush=True)
     if args.input is not None:
         return run_batch_files(engine, args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        ignore_eos=args.ignore_eos,
-        n=args.n,
-    )
     prompts = args.prompt or DEMO_PROMPTS
     ids = {}
     for prompt in prompts:
@@ -179,6 +190,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
         for rid in ids
     ]
+    if args.logprobs is not None:  # per generated token {token id: logprob}, the sampled token first
+        for item, rid in zip(completions, ids):
+            first = results[rid].outputs[0]
+            item.update(cumulative_logprob=first.cumulative_logprob, logprobs=first.logprobs)
     if args.json:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
@@ -236,6 +251,8 @@ def print_report(completions: list[dict], summary: dict) -> None:
     for item in completions:
         console.print(f"[bold cyan]>>> {item['prompt']}[/]")
         console.print(item["completion"], markup=False, highlight=False)
+        if item.get("cumulative_logprob") is not None:
+            console.print(f"[dim]cumulative logprob {item['cumulative_logprob']:.3f}[/]")
         console.print()
     table = Table(title="pagedkv run summary")
     table.add_column("metric")

@@ -104,6 +104,8 @@ class PagedAllocator:
         """On admission, let a plugin hand over cached blocks; returns tokens skipped."""
         if self.hooks is None or seq.num_computed_tokens or len(seq.block_table):
             return 0
+        if seq.params.prompt_logprobs is not None:  # its prompt logprobs need every prompt position computed
+            return 0
         blocks = call_decision(self.hooks.pagedkv_match_prefix, seq=seq, allocator=self)
         if not blocks:
             return 0

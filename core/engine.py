@@ -20,6 +20,7 @@ from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
 from pagedkv.core.kv_view import KVCacheView
+from pagedkv.core.logprobs import record_prompt_logprobs
 from pagedkv.core.plugin_guard import (
     Observers,
     PluginFault,
@@ -33,8 +34,9 @@ from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_m
 from pagedkv.core.request_check import check_prompt
 from pagedkv.core.runner import Runner
 from pagedkv.core.sampler import Sampler
+from pagedkv.core.sampling_batch import SamplingBatch
 from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.scheduler import SchedulerOutput
+from pagedkv.core.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
@@ -150,8 +152,10 @@ class Engine:
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
-        params = params or SamplingParams()
+        # a re-checked private copy: the caller's later edits to ``params`` cannot reach a step
+        params = params.checked_copy() if params is not None else SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
+        params.check_vocab(self.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -222,18 +226,24 @@ class Engine:
         self._observe(out)
         return self._emit(touched, stream)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-        """A token for every sequence whose step computed its last token."""
-        return self._draw(*self._sampling(out), logits)
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
+        """A token (and its logprobs, if asked for) for every sequence whose step computed its last token."""
+        seqs, rows = self._sampling(out)
+        sampling_rows = rows[-1] + 1 if rows else 0
+        if logits.shape[0] > sampling_rows:  # rows past the sampling ones: prompt logprobs
+            record_prompt_logprobs(out.scheduled, logits[sampling_rows:])
+            logits = logits[:sampling_rows]
+        return self._draw(seqs, rows, logits)
 
-    def _draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+    def _draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Sample]:
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         banned = [self.stop_check.banned(s) if s.params.min_tokens else () for s in seqs]
-        tokens = self.sampler.sample(logits, seqs, lambda s: self._seq_keys[s.seq_id], banned)
-        return list(zip(seqs, tokens))
+        batch = SamplingBatch.of(seqs, banned, [self._seq_keys[s.seq_id] for s in seqs])
+        result = self.sampler.sample(logits, batch)
+        return list(zip(seqs, result.tokens, result.logprobs))
 
     def _sampling(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample and their logits rows (forked samples split off first: they share

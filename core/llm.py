@@ -51,8 +51,9 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         engine = self.engine
-        for prompt in prompts:
-            engine.encode_prompt(prompt)  # (raises if it can never run)
+        for prompt, sp in zip(prompts, params_list):  # every request checked before any runs
+            engine.encode_prompt(prompt)
+            sp.checked_copy().check_vocab(engine.vocab_size)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None

@@ -2,7 +2,8 @@
 
 All scheduled tokens of all sequences go in one row ``[1, total_tokens]`` with
 explicit ``position_ids``; HF's own cache is off, the KV lives in our paged
-cache, and logits are computed only at the rows that sample.
+cache, and logits are computed only at the rows that sample (and at the prompt
+positions of requests that asked for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from pagedkv.core.attention_metadata import AttentionMetadata
 from pagedkv.core.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedkv.core.logprobs import prompt_logprob_span
 from pagedkv.core.scheduler import SchedulerOutput
 
 
@@ -42,7 +44,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[num_sampling_seqs, vocab]`` in scheduled order."""
+        """Run one step; returns float32 logits ``[num_sampling_seqs, vocab]`` in scheduled order, followed
+        by the rows of :func:`~pagedkv.core.logprobs.prompt_logprob_span` (requests asking for prompt logprobs)."""
         # Order matters: blocks swapped out may be refilled by a swap-in or a copy of this same step.
         if out.swap_out:
             self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches, torch.tensor(out.swap_out))
@@ -54,7 +57,11 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []  # positions whose logits give prompt logprobs, after the sampling rows
         for item in out.scheduled:
+            start, end = prompt_logprob_span(item)
+            first = len(input_ids) - item.context_len  # packed row of position 0
+            prompt_rows.extend(range(first + start, first + end))
             input_ids.extend(item.seq.token_slice(item.context_len, item.context_len + item.num_new_tokens))
             positions.extend(range(item.context_len, item.context_len + item.num_new_tokens))
             if item.samples:
@@ -65,7 +72,7 @@ class ModelRunner:
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
             use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device),
             pagedkv_step=step,
         )
         return result.logits[0].float()

@@ -30,6 +30,7 @@ from pagedkv.core.sequence import Sequence, SequenceStatus
 from pagedkv.core.stop_check import StopCheck
 from pagedkv.core.swap_space import SwapSpace
 
+Sample = tuple[Sequence, int, "dict[int, float] | None"]  # a drawn token and its logprobs (if asked for)
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
 _run_order = attrgetter("run_order")
 
@@ -294,14 +295,14 @@ class FCFSScheduler:
 
     # --- after the step: bookkeeping ------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, samples: list[tuple[Sequence, int]]) -> StepUpdate:
-        """The step ran and ``samples`` (sequence, token) were drawn: count computed tokens, report full
-        blocks, append the tokens and finish the sequences they end, in scheduled order."""
+    def update_from_output(self, out: SchedulerOutput, samples: list[Sample]) -> StepUpdate:
+        """The step ran and ``samples`` (sequence, token, logprobs or None) were drawn: count computed
+        tokens, report full blocks, append the tokens and finish the sequences they end, in scheduled order."""
         update = StepUpdate()
         for item in out.scheduled:
             self._advance(item.seq, item.num_new_tokens, update)
-        for seq, token in samples:
-            self._take_token(seq, token, update)
+        for seq, token, logprobs in samples:
+            self._take_token(seq, token, logprobs, update)
         return update
 
     def computed_tokens(self) -> int:
@@ -323,10 +324,10 @@ class FCFSScheduler:
         for logical in range(before // bs, seq.num_computed_tokens // bs):
             self.on_block_full(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
 
-    def _take_token(self, seq: Sequence, token: int, update: StepUpdate) -> None:
+    def _take_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, update: StepUpdate) -> None:
         """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
         a failure ends its request alone; a failing sampler is not contained yet: see the engine's ``_sample``)."""
-        seq.output_token_ids.append(token)
+        seq.append_token(token, logprobs)
         update.generated += 1
         self._finish_if_done(seq, token, update)
 
@@ -336,7 +337,7 @@ class FCFSScheduler:
         try:
             ended = self.stop_check(seq, token)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on a stop string: not the others' problem
-            seq.output_token_ids.pop()  # the token was never accepted
+            seq.pop_token()  # the token was never accepted
             update.generated -= 1
             self.fail(seq, RuntimeError(f"the stop check failed: {type(exc).__name__}: {exc}"))
             return

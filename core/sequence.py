@@ -48,6 +48,9 @@ class Sequence:
     error: str | None = None  # why the request failed (finish reason "error")
     run_order: int = 0  # stamped by the scheduler each time it starts running: the running queue's order
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token (logprobs set)
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,
@@ -82,26 +85,64 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def append_token(self, token: int, logprobs: dict[int, float] | None = None) -> None:
+        """A new output token, with its logprobs when the request asked for them."""
+        self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token]
+
+    def pop_token(self) -> None:
+        """Undo the last :meth:`append_token` (a token the stop check could not accept)."""
+        token = self.output_token_ids.pop()
+        if len(self.output_logprobs) > len(self.output_token_ids):
+            self.cumulative_logprob -= self.output_logprobs.pop()[token]
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This sample as the user sees it (a snapshot: later tokens do not change it)."""
+        wants = self.params.logprobs is not None
+        return CompletionOutput(
+            index, self.output_text, list(self.output_token_ids), self.finish_reason, self.stop_reason, self.error,
+            list(self.output_logprobs) if wants else None, self.cumulative_logprob if wants else None,
+        )
+
+    def prompt_logprobs_out(self) -> list[dict[int, float] | None] | None:
+        """vLLM's shape: None for the first prompt token (nothing predicts it), then one entry per token."""
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None, *self.prompt_logprobs]
+
 
 @dataclass
 class CompletionOutput:
+    """One sample. With ``SamplingParams.logprobs`` set, ``logprobs[i]`` maps token ids to log-probabilities
+    for generated token ``i`` (the sampled one plus the top ones) and ``cumulative_logprob`` sums the sampled
+    tokens'; both are None otherwise."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class RequestOutput:
-    """What ``LLM.generate`` and ``Engine.step`` hand back (vLLM's shape)."""
+    """What ``LLM.generate`` and ``Engine.step`` hand back (vLLM's shape).
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt token, None for
+    the first (nothing predicts it), else {token id: logprob} with the prompt token plus the top ones.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -119,10 +160,7 @@ class RequestOutput:
             if not isinstance(seq.stop_reason, str):
                 ids = seq.output_token_ids
                 seq.output_text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-            completions.append(
-                CompletionOutput(
-                    index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
-                )
-            )
+            completions.append(seq.completion(index))
         first = seqs[0]
-        return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
+        return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished,
+                   first.prompt_logprobs_out())

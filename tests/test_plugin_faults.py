@@ -98,8 +98,6 @@ def test_a_persistent_raise_on_eviction_cannot_wedge_the_pool(caplog):
 
 REGISTRAR_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
 from pagedkv.core.scheduler import FCFSScheduler
 
 @hookimpl
@@ -110,8 +108,6 @@ def pagedkv_register_schedulers(register):
 
 CONFIGURE_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 @hookimpl
 def pagedkv_configure(config, pm):
@@ -120,8 +116,6 @@ def pagedkv_configure(config, pm):
 
 STARTED_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 @hookimpl
 def pagedkv_engine_started(engine):
@@ -130,8 +124,6 @@ def pagedkv_engine_started(engine):
 
 INSTANCE_STARTED_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
 class State:
     @hookimpl

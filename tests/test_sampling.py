@@ -6,7 +6,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.sampler import Sampler
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.sampling_batch import SamplingBatch
 
 
 def make_llm(model, **kw):
@@ -33,8 +33,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy(tiny_llama):
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    seq = Sequence("r", [1], SamplingParams(temperature=1.0, top_p=0.7, seed=0), max_len=10)
-    seen = {Sampler()._sample_row(logits[0], seq, torch.Generator().manual_seed(i)) for i in range(200)}
+    params = SamplingParams(temperature=1.0, top_p=0.7)  # no seed: each row draws from its own generator
+    batch = SamplingBatch([params] * 200, [[1]] * 200, [[]] * 200, [()] * 200, list(range(200)))
+    seen = set(Sampler().sample(logits.expand(200, -1), batch).tokens)
     assert seen == {0, 1}
 
 

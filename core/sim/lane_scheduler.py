@@ -17,7 +17,7 @@ from operator import attrgetter
 from typing import Any
 
 from pagedkv.core.allocator import PagedAllocator, StaticAllocator
-from pagedkv.core.scheduler import FCFSScheduler, ScheduledSeq, SchedulerOutput, StepUpdate
+from pagedkv.core.scheduler import FCFSScheduler, Sample, ScheduledSeq, SchedulerOutput, StepUpdate
 from pagedkv.core.sequence import Sequence, SequenceStatus
 from pagedkv.core.sim.decode_lane import DecodeLane
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
@@ -201,7 +201,7 @@ class DecodeLaneScheduling:
         lane.take_crossings([s for s in due if s in lane.members])
         return budget - members - used
 
-    def update_from_output(self, out: LaneOutput, samples: list[tuple[Sequence, int]]) -> StepUpdate:
+    def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:
         """FCFS's bookkeeping, with lane members touched only when they fill a block or finish.
 
         Full blocks are reported, and finishes made, in running order among the stepped sequences,
@@ -225,16 +225,16 @@ class DecodeLaneScheduling:
             self._advance(seq, item.num_new_tokens, update)
         for seq in filled:
             self._report_full_blocks(seq, seq.num_computed_tokens - 1)
-        for seq, token in samples:
-            seq.output_token_ids.append(token)
+        for seq, token, logprobs in samples:
+            seq.append_token(token, logprobs)
         update.generated += len(samples) + out.lane_decodes
         for seq in owed:
             seq.output_token_ids.append(lane.token)
         if ended:  # finish in running order, as one-by-one stepping does
-            samples = sorted([*samples, *((s, lane.token) for s in ended)], key=lambda pair: pair[0].run_order)
-        for seq, token in samples:
+            samples = sorted([*samples, *((s, lane.token, None) for s in ended)], key=lambda item: item[0].run_order)
+        for seq, token, _ in samples:
             self._finish_if_done(seq, token, update)
-        for seq, _ in samples:
+        for seq, *_ in samples:
             if seq.status is SequenceStatus.RUNNING:
                 self._join_lane(seq)
         return update

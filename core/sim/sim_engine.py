@@ -16,7 +16,8 @@ from typing import Any
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.sequence import RequestOutput, Sequence
+from pagedkv.core.scheduler import Sample
+from pagedkv.core.sequence import RequestOutput
 from pagedkv.core.sim.decode_lane import DecodeLane
 from pagedkv.core.sim.lane_scheduler import lane_reproduces, with_decode_lane
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
@@ -49,11 +50,11 @@ class SimEngine(Engine):
             self.lane.flush()  # a streaming step reports every sequence's new token: they must be exact
         return self._step(stream)
 
-    def _sample(self, out: Any, logits: Any) -> list[tuple[Sequence, int]]:
+    def _sample(self, out: Any, logits: Any) -> list[Sample]:
         """Greedy over the runner's one-column logits is always its token: no tensor work for that."""
         seqs, rows = self._sampling(out)
         if all(s.params.greedy for s in seqs):
-            return [(s, SimulatedRunner.TOKEN) for s in seqs]
+            return [(s, SimulatedRunner.TOKEN, None) for s in seqs]
         return self._draw(seqs, rows, logits)
 
     def plugin_stats(self) -> dict[str, Any]:
