@@ -405,7 +405,7 @@ def instrument(llm: Any) -> _Timers:
     timers.wrap(e.runner.model, "forward", "forward")
     timers.wrap(e.backend, "write_kv", "write_kv")
     timers.wrap(e.backend, "attend", "attend")
-    timers.wrap(e, "_update", "update")
+    timers.wrap(e.scheduler, "update_from_output", "update")
     timers.wrap(e.sampler, "sample", "sample")
     timers.wrap(e, "_observe", "observe")
     timers.wrap(e, "_emit", "make_output")
