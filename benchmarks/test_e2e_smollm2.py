@@ -422,11 +422,11 @@ def breakdown(timers: _Timers, total: float) -> list[tuple[str, float]]:
         ("attention backend: attend", s["attend"]),
         ("model forward minus attention backend", s["forward"] - s["write_kv"] - s["attend"]),
         ("sampling (sampler.sample)", s["sample"]),
-        ("update/finish minus sampling", s["update"] - s["sample"]),
+        ("update/finish (scheduler.update_from_output)", s["update"]),
         ("stats (_observe)", s["observe"]),
         ("outputs/detokenize (_emit)", s["make_output"]),
-        ("rest of engine.step", s["step"] - s["schedule"] - s["execute"] - s["update"] - s["observe"]
-         - s["make_output"]),
+        ("rest of engine.step", s["step"] - s["schedule"] - s["execute"] - s["sample"] - s["update"]
+         - s["observe"] - s["make_output"]),
         ("LLM.generate outside step", total - s["step"]),
     ]
     return parts
