@@ -44,6 +44,8 @@ def parse_bytes(value: int | str) -> int:
                 return int(float(number) * scale)
             except ValueError:
                 break
+            except OverflowError:  # inf: not a size
+                raise ConfigError(f"{value!r} is not a finite size in bytes (e.g. 1GiB, 512MiB)") from None
     try:
         return int(text)
     except ValueError:

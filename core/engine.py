@@ -15,9 +15,11 @@ import torch
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
+from pagedkv.core.engine_checks import check_kv_size, start_backend
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.kv_cache import KVCacheSpec
+from pagedkv.core.limits import check_cap
 from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.sampler import Sampler
@@ -69,6 +71,7 @@ class Engine:
         if simulate is not None:
             hf_config, self.backend = simulate, None
         else:
+            self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
             if model is None:
                 from pagedkv.core.model_loader import load_model
 
@@ -76,11 +79,10 @@ class Engine:
             else:
                 model = model.to(device=config.device, dtype=config.dtype).eval()
             hf_config = model.config
-            self.backend = backend_entry.factory(config)
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
-        self.num_blocks = self._decide_num_blocks()
+        self.num_blocks = check_kv_size(self._decide_num_blocks(), self.spec.bytes_per_block, config, simulate is None)
         self.capacity_tokens = self.num_blocks * config.block_size
         self.max_model_len = self._decide_max_model_len(hf_config)
 
@@ -199,6 +201,7 @@ class Engine:
         params = params or SamplingParams()
         text, token_ids = self.encode_prompt(prompt)
         self._validate(token_ids)
+        check_cap("samples", params.n, "n", RequestRejected)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
