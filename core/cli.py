@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
+    run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap prompts in the model's chat template (default: when the tokenizer has one)")
     run.add_argument("--max-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["run", *(argv or [])])
+    raise_on_sigterm()
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except PagedKVError as exc:
         print(f"engine: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM outside a run loop (e.g. while the model loads)
+        return report_interrupt(exc)
     parser.print_help()
     return 1
 
@@ -86,13 +92,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
-    from pagedkv.core.llm import apply_chat_template
+    from pagedkv.core.prompt_format import encode_run_prompt, use_chat
+    from pagedkv.core.run_checks import check_run_args
     from pagedkv.core.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
         from pagedkv.monitor.main import run_with_monitor
 
         return run_with_monitor(args, cmd_run)
+    check_run_args(args)
     if args.threads is not None:
         import torch
 
@@ -130,29 +138,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     prompts = args.prompt or DEMO_PROMPTS
     ids = {}
+    chat = use_chat(engine.tokenizer, args.chat)
     for prompt in prompts:
-        token_ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
-        ids[engine.add_request(token_ids, params)] = prompt
+        ids[engine.add_request(encode_run_prompt(engine.tokenizer, prompt, chat), params)] = prompt
     started = time.perf_counter()
     results = {}
-    while engine.has_unfinished():
-        for out in engine.step(stream=False):
-            results[out.request_id] = out
+    with StopBetweenSteps() as stop:  # Ctrl-C / SIGTERM: finish this step, then report what finished
+        while engine.has_unfinished() and stop.signum is None:
+            for out in engine.step(stream=False):
+                results[out.request_id] = out
     engine.stats.elapsed = time.perf_counter() - started
     if config.telemetry or config.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
 
         close_telemetry(engine)  # the final snapshot and an end line, before the summary
     summary = summarize(engine)
+    if stop.signum is not None:
+        summary.update(stopped_by=stop.name, unfinished_requests=len(ids) - len(results))
     completions = [
         {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
-        for rid in ids
+        for rid in ids if rid in results
     ]
     if args.json:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
         print_report(completions, summary)
-    return 0
+    return 0 if stop.signum is None else exit_status(stop.signum)
 
 
 def capacity(engine: Any) -> dict:
