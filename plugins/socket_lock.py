@@ -31,7 +31,7 @@ class SocketLock:
         self.path = path
         self.lock_path = path + ".lock"
         self.fd = fd
-        self.socket_id: tuple[int, int] | None = None
+        self.socket_id: str | None = None
 
     @classmethod
     def claim(cls, path: str) -> SocketLock:
@@ -77,7 +77,7 @@ class SocketLock:
         if _answers(self.path):
             raise TelemetryAddressError(f"telemetry socket {self.path} is in use by another program; choose another")
         recorded = _read(self.fd)
-        if recorded.get("socket") != f"{st.st_dev}:{st.st_ino}":
+        if recorded.get("socket") != _identity(st):
             raise TelemetryAddressError(
                 f"{self.path} is a socket that no pagedkv engine is known to have left (no matching "
                 f"{self.lock_path}); if no program uses it, remove it yourself, or choose another path"
@@ -86,9 +86,8 @@ class SocketLock:
 
     def record_socket(self) -> None:
         """Write our pid and the new socket's identity into the lock file (it proves the socket is ours later)."""
-        st = os.lstat(self.path)
-        self.socket_id = (st.st_dev, st.st_ino)
-        text = f"{_MARKER} pid={os.getpid()} socket={st.st_dev}:{st.st_ino}\n".encode()
+        self.socket_id = _identity(os.lstat(self.path))
+        text = f"{_MARKER} pid={os.getpid()} socket={self.socket_id}\n".encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, text, 0)
 
@@ -98,14 +97,18 @@ class SocketLock:
             return
         if remove_socket and self.socket_id is not None:
             with contextlib.suppress(OSError):
-                st = os.lstat(self.path)
-                if (st.st_dev, st.st_ino) == self.socket_id:
+                if _identity(os.lstat(self.path)) == self.socket_id:
                     os.unlink(self.path)
         with contextlib.suppress(OSError):
             if os.stat(self.lock_path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.lock_path)
         os.close(self.fd)
         self.fd = -1
+
+
+def _identity(st: os.stat_result) -> str:
+    """Device, inode and change time: an inode number alone is reused by the next file created."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
 
 
 def _read(fd: int) -> dict[str, str]:
