@@ -27,6 +27,8 @@ def start_backend(entry: Any, config: Any) -> Any:
 def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates: bool) -> int:
     """``num_blocks`` if the pool may have that many blocks and, when ``allocates``, its host memory fits."""
     check_cap("blocks", num_blocks, "the KV cache's number of blocks")
+    if allocates and str(config.device).startswith("cuda"):
+        check_device_memory(num_blocks * bytes_per_block, config.device, f"the KV cache ({num_blocks:,} blocks)")
     if allocates:
         on_host = num_blocks * bytes_per_block if str(config.device).startswith("cpu") else 0
         swap = int(getattr(config, "swap_space", 0) or 0)  # the CPU swap pool lives in host memory everywhere
@@ -34,3 +36,15 @@ def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates:
             what = "the KV cache" if not swap else ("the KV cache plus swap space" if on_host else "the swap space")
             check_host_memory(on_host + swap, f"{what} ({num_blocks:,} blocks)" if on_host else what)
     return num_blocks
+
+
+def check_device_memory(nbytes: int, device: str, what: str) -> None:
+    """Refuse a CUDA allocation larger than the device's free memory now (instead of an out-of-memory traceback)."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    if nbytes > free:
+        raise ConfigError(
+            f"{what} needs {nbytes / 2**30:,.2f} GiB on {device} but only {free / 2**30:,.2f} GiB is free; "
+            "give a smaller kv_cache_memory / num_blocks or a lower gpu_memory_utilization"
+        )
