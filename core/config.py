@@ -36,7 +36,8 @@ def parse_bytes(value: int | str) -> int:
     if isinstance(value, int):
         return value
     text = str(value).strip().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
     for suffix, scale in units.items():
         if text.lower().endswith(suffix):
             number = text[: -len(suffix)]

@@ -26,7 +26,6 @@ def start_backend(entry: Any, config: Any) -> Any:
 
 def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates: bool) -> int:
     """``num_blocks`` if the pool may have that many blocks and, when ``allocates``, its host memory fits."""
-    check_cap("blocks", num_blocks, "the KV cache's number of blocks")
     if allocates and str(config.device).startswith("cuda"):
         check_device_memory(num_blocks * bytes_per_block, config.device, f"the KV cache ({num_blocks:,} blocks)")
     if allocates:
@@ -35,6 +34,7 @@ def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates:
         if on_host or swap:
             what = "the KV cache" if not swap else ("the KV cache plus swap space" if on_host else "the swap space")
             check_host_memory(on_host + swap, f"{what} ({num_blocks:,} blocks)" if on_host else what)
+    check_cap("blocks", num_blocks, "the KV cache's number of blocks")  # after memory: the likelier reason
     return num_blocks
 
 

@@ -44,6 +44,13 @@ def check_output_path(path: str | os.PathLike, what: str) -> Path:
     return target
 
 
+def check_output_paths(*named: tuple[str, str] | None) -> None:
+    """:func:`check_output_path` for each ``(what, path)`` given (``None`` entries are skipped)."""
+    for item in named:
+        if item:
+            check_output_path(item[1], item[0])
+
+
 class OutputFile:
     """A file written to a temporary name beside ``path`` and moved onto it by :meth:`commit`."""
 

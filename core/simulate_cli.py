@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedkv.core.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
+from pagedkv.core.output_files import check_output_paths
 from pagedkv.core.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
 from pagedkv.core.simulate_report import format_report, jsonable, plot_blocks
 
@@ -106,6 +107,7 @@ def run_cli(args: Any) -> int:
     from pagedkv.core.step_time_model import calibrate_from_trace
     from pagedkv.core.workload import load_workload
 
+    check_output_paths(args.trace and ("--trace", args.trace), args.plot and ("--plot", args.plot))
     setup, budget = setup_from_args(args)
     sweeps = [parse_sweep(s) for s in args.sweep]
     step_time = calibrate_from_trace(args.calibrate) if args.calibrate else default_step_time(setup)
