@@ -36,8 +36,13 @@ _LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
+    """At exit (also after Ctrl-C or SIGTERM mid-step): every open trace still gets its ``end`` record."""
     for telemetry in list(_LIVE):
-        telemetry.close()
+        try:
+            telemetry.close()
+        except Exception:  # noqa: BLE001 - a state left mid-step must not turn exit into a traceback
+            if telemetry.trace is not None:
+                telemetry.trace.close()
 
 
 def find(engine: Any) -> Telemetry | None:
