@@ -9,6 +9,8 @@ second one stops at once. Outside it, SIGTERM raises :class:`Terminated` (a
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -61,7 +63,8 @@ class StopBetweenSteps:
         if self.signum is not None:  # asked twice: stop now
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.signum = signum
-        print("engine: stopping after this step (again to stop now)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # os.write: a buffered print could re-enter a write in progress
+            os.write(2, b"engine: stopping after this step (again to stop now)\n")
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for sig, handler in self._old.items():
