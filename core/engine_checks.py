@@ -35,6 +35,8 @@ def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates:
             what = "the KV cache" if not swap else ("the KV cache plus swap space" if on_host else "the swap space")
             check_host_memory(on_host + swap, f"{what} ({num_blocks:,} blocks)" if on_host else what)
     check_cap("blocks", num_blocks, "the KV cache's number of blocks")  # after memory: the likelier reason
+    swap_blocks = int(getattr(config, "swap_space", 0) or 0) // max(1, bytes_per_block)
+    check_cap("blocks", swap_blocks, "the swap space's number of blocks")  # its pool has one entry per block
     return num_blocks
 
 

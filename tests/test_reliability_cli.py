@@ -160,8 +160,10 @@ def test_a_raised_limit_is_honoured():
     assert_one_line_error(over, "PAGEDKV_MAX_REQUESTS")
 
 
-def test_a_huge_simulated_pool_is_one_line():
-    proc = engine("simulate", "--num-blocks", "1000000000", "--num-requests", "3")
+@pytest.mark.parametrize("budget", [("--num-blocks", "1000000000"), ("--kv-cache-memory", "1000TiB"),
+                                    ("--swap-space", "1000TiB")])
+def test_a_huge_simulated_pool_is_one_line(budget):
+    proc = engine("simulate", *budget, "--num-requests", "3")
     assert_one_line_error(proc, "PAGEDKV_MAX_BLOCKS")
 
 
