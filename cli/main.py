@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedkv.cli.run_display import drive
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
 from pagedkv.core.stats import summarize
 
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
+    run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap prompts in the model's chat template (default: when the tokenizer has one)")
     run.add_argument("--max-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(levelname)s: %(message)s")
+    raise_on_sigterm()
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except PagedKVError as exc:
         print(f"engine: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM outside a run loop (e.g. while the model loads)
+        return report_interrupt(exc)
     parser.print_help()
     return 1
 
@@ -116,13 +122,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
-    from pagedkv.core.llm import apply_chat_template
+    from pagedkv.core.prompt_format import encode_run_prompt, use_chat
+    from pagedkv.core.run_checks import check_run_args
     from pagedkv.core.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
         from pagedkv.monitor.main import run_with_monitor
 
         return run_with_monitor(args, cmd_run)
+    check_run_args(args)
     if args.threads is not None:
         import torch
 
@@ -170,35 +178,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_batch_files(engine, args)
     prompts = args.prompt or DEMO_PROMPTS
     ids = {}
+    chat = use_chat(engine.tokenizer, args.chat)
     for prompt in prompts:
-        token_ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
-        ids[engine.add_request(token_ids, params)] = prompt
+        ids[engine.add_request(encode_run_prompt(engine.tokenizer, prompt, chat), params)] = prompt
     started = time.perf_counter()
     streaming = len(ids) == 1 and args.n == 1 and not args.json
     if streaming:
         from rich.console import Console
 
         Console().print(f"[bold cyan]>>> {prompts[0]}[/]")
-    results = drive(engine, list(ids), sys.stdout if streaming else None, progress=not streaming and _tty(sys.stderr))
+    with StopBetweenSteps() as stop:  # Ctrl-C / SIGTERM: finish this step, then report what finished
+        results = drive(engine, list(ids), sys.stdout if streaming else None,
+                        progress=not streaming and _tty(sys.stderr), stop=lambda: stop.signum is not None)
     engine.stats.elapsed = time.perf_counter() - started
     if config.telemetry or config.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
 
         close_telemetry(engine)  # the final snapshot and an end line, before the summary
     summary = summarize(engine)
+    if stop.signum is not None:
+        summary.update(stopped_by=stop.name, unfinished_requests=len(ids) - len(results))
     completions = [
         {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
-        for rid in ids
+        for rid in ids if rid in results
     ]
     if args.logprobs is not None:  # per generated token {token id: logprob}, the sampled token first
-        for item, rid in zip(completions, ids):
+        for item, rid in zip(completions, [rid for rid in ids if rid in results]):
             first = results[rid].outputs[0]
             item.update(cumulative_logprob=first.cumulative_logprob, logprobs=first.logprobs)
     if args.json:
         print(json.dumps({"capacity": capacity(engine), "completions": completions, "summary": summary}, indent=2))
     else:
         print_report([] if streaming else completions, summary)
-    return 0
+    return 0 if stop.signum is None else exit_status(stop.signum)
 
 
 def _tty(stream: Any) -> bool:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 
-def drive(engine: Any, request_ids: list[str], stream_to: TextIO | None, progress: bool) -> dict[str, Any]:
-    """Step until every request is done; returns {request_id: final output}.
+def drive(
+    engine: Any, request_ids: list[str], stream_to: TextIO | None, progress: bool,
+    stop: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Step until every request is done (or ``stop()`` says so between steps); returns {request_id: final output}.
 
     ``stream_to``: write the (single) request's new text there as tokens arrive.
     ``progress``: a transient rich progress bar on stderr with requests done and tokens/s.
@@ -17,7 +21,7 @@ def drive(engine: Any, request_ids: list[str], stream_to: TextIO | None, progres
     shown = ""
     bar = _ProgressBar(len(request_ids)) if progress else None
     try:
-        while engine.has_unfinished():
+        while engine.has_unfinished() and not (stop is not None and stop()):
             for out in engine.step(stream=stream_to is not None):
                 if stream_to is not None:
                     shown = _write_new_text(stream_to, shown, out.text, out.finished)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pagedkv.core.output_files import check_output_paths
 from pagedkv.core.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
 from pagedkv.core.sim.report import format_report, jsonable
 from pagedkv.core.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
@@ -107,6 +108,7 @@ def run_cli(args: Any) -> int:
     from pagedkv.core.sim.step_time_model import calibrate_from_trace
     from pagedkv.core.sim.workload import load_workload
 
+    check_output_paths(args.trace and ("--trace", args.trace), args.plot and ("--plot", args.plot))
     setup, budget = setup_from_args(args)
     sweeps = [parse_sweep(s) for s in args.sweep]
     step_time = calibrate_from_trace(args.calibrate) if args.calibrate else default_step_time(setup)

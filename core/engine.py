@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
+from pagedkv.core.engine_checks import check_kv_size, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
@@ -72,13 +73,15 @@ class Engine:
         if runner is None:
             from pagedkv.core.model_loader import prepare_model
 
+            self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
             model, tokenizer = prepare_model(config, model, tokenizer)
-            self.backend = backend_entry.factory(config)
         hf_config = runner.model_config if runner is not None else model.config
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
-        self.num_blocks = decide_num_blocks(config, self.spec, model)
+        self.num_blocks = check_kv_size(
+            decide_num_blocks(config, self.spec, model), self.spec.bytes_per_block, config, runner is None
+        )
         self.capacity_tokens = self.num_blocks * config.block_size
         self.max_model_len = decide_max_model_len(config, hf_config, self.capacity_tokens)
 

@@ -54,6 +54,16 @@ def _int(msg: dict, key: str, minimum: int = 0) -> int:
     return value
 
 
+def _check_blocks(msg: dict, key: str, value: int) -> None:
+    """A reader builds a per-block table from ``hello``: refuse a count no engine could have (PAGEDKV_MAX_BLOCKS)."""
+    from pagedkv.core.limits import check_cap
+
+    try:
+        check_cap("blocks", value, f"hello field {key!r}")
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
 def _list(msg: dict, key: str) -> list:
     value = msg.get(key)
     if not isinstance(value, list):
@@ -78,10 +88,10 @@ def validate(msg: Any) -> dict[str, Any]:
     if not isinstance(t, (int, float)) or isinstance(t, bool):
         raise ProtocolError(f"{kind} field 't' must be a number, got {t!r}")
     if kind == "hello":
-        _int(msg, "num_blocks", 1)
+        for key in ("num_blocks", "num_cpu_blocks"):
+            if key == "num_blocks" or key in msg:
+                _check_blocks(msg, key, _int(msg, key, 1 if key == "num_blocks" else 0))
         _int(msg, "block_size", 1)
-        if "num_cpu_blocks" in msg:
-            _int(msg, "num_cpu_blocks")
     elif kind == "snapshot":
         _int(msg, "step")
         refs = _list(msg, "refs")
@@ -128,4 +138,6 @@ def decode(line: str | bytes) -> dict[str, Any]:
         msg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ProtocolError(f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise ProtocolError("the JSON is nested too deeply") from None
     return validate(msg)

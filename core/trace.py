@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.core.limits import check_cap
 from pagedkv.core.telemetry_protocol import ProtocolError, decode
 
 
@@ -33,6 +34,7 @@ def read_trace(path: str | Path, *, strict: bool = True) -> Trace:
     """
     path = Path(path)
     try:
+        check_cap("trace_bytes", path.stat().st_size, f"{path}: the trace's size", TraceError)
         data = path.read_bytes()
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None

@@ -10,7 +10,7 @@ their public read-only view (``engine.kv_view()``, :class:`pagedkv.core.kv_view.
 
 Options (``EngineConfig.plugin_options["telemetry"]``): ``keyframe_steps`` (50),
 ``keyframe_s`` (1.0), ``heartbeat_s`` (1.0), ``queue_lines`` (1024) and
-``queue_bytes`` (32 MiB) per client, ``socket_sndbuf`` (the kernel's default).
+``queue_bytes`` (32 MiB) per client, ``socket_sndbuf`` (the kernel's default), ``max_clients`` (16).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import weakref
 from typing import Any
 
 from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.output_files import OutputFile
 from pagedkv.core.telemetry_protocol import encode, message
 from pagedkv.plugins.telemetry_address import parse_address
 
@@ -36,8 +37,13 @@ _LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
+    """At exit (also after Ctrl-C or SIGTERM mid-step): every open trace still gets its ``end`` record."""
     for telemetry in list(_LIVE):
-        telemetry.close()
+        try:
+            telemetry.close()
+        except Exception:  # noqa: BLE001 - a state left mid-step must not turn exit into a traceback
+            if telemetry.trace is not None:
+                telemetry.trace.close()
 
 
 def find(engine: Any) -> Telemetry | None:
@@ -59,6 +65,7 @@ class Telemetry:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.address = parse_address(config.telemetry) if config.telemetry else None  # refuse bad ones first
+        self.trace_file = OutputFile(config.trace, "trace") if config.trace else None  # checked, not yet written
         opts = dict(getattr(config, "plugin_options", {}).get("telemetry", {}))
         self.keyframe_steps = int(opts.get("keyframe_steps", 50))
         self.keyframe_s = float(opts.get("keyframe_s", 1.0))
@@ -66,6 +73,7 @@ class Telemetry:
         self.queue_lines = int(opts.get("queue_lines", 1024))
         self.queue_bytes = int(opts.get("queue_bytes", 32 << 20))
         self.socket_sndbuf = opts.get("socket_sndbuf")
+        self.max_clients = int(opts.get("max_clients", 16))
         self.engine: Any = None
         self.view: Any = None  # the engine's KVCacheView
         self.server: Any = None
@@ -94,25 +102,37 @@ class Telemetry:
         self._hello = encode(self._hello_message())
         self._keyframe = encode(self._snapshot_message())
         self._keyframe_at = (self.step, time.monotonic())
-        if self.config.trace:
-            self.trace = open(self.config.trace, "wb")  # noqa: SIM115 - lives as long as the engine
+        if self.trace_file is not None:
+            self.trace = self.trace_file.open()  # a temporary file: the user's file is replaced only once we run
             self.trace.write(self._hello + self._keyframe)
             self.trace.flush()
         if self.address is not None:
-            from pagedkv.plugins.telemetry_server import TelemetryServer
-
-            self.server = TelemetryServer(
-                self.address,
-                greeting=lambda: [self._hello, self._keyframe, *self._backlog],
-                resync=lambda: [self._keyframe, *self._backlog],
-                heartbeat=lambda: encode(message("heartbeat", self.seq, self._now(), step=self.step)),
-                max_lines=self.queue_lines,
-                max_bytes=self.queue_bytes,
-                heartbeat_s=self.heartbeat_s,
-                sndbuf=self.socket_sndbuf,
-            )
+            try:
+                self.server = self._start_server()
+            except BaseException:
+                if self.trace_file is not None:
+                    self.trace_file.discard()
+                    self.trace = None
+                raise
             self._lock = self.server.lock
+        if self.trace_file is not None:
+            self.trace_file.commit()
         _LIVE.add(self)
+
+    def _start_server(self) -> Any:
+        from pagedkv.plugins.telemetry_server import TelemetryServer
+
+        return TelemetryServer(
+            self.address,
+            greeting=lambda: [self._hello, self._keyframe, *self._backlog],
+            resync=lambda: [self._keyframe, *self._backlog],
+            heartbeat=lambda: encode(message("heartbeat", self.seq, self._now(), step=self.step)),
+            max_lines=self.queue_lines,
+            max_bytes=self.queue_bytes,
+            heartbeat_s=self.heartbeat_s,
+            sndbuf=self.socket_sndbuf,
+            max_clients=self.max_clients,
+        )
 
     @hookimpl
     def pagedkv_on_step_events(self, events: list[Any]) -> None:

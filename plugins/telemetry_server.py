@@ -14,15 +14,36 @@ import logging
 import os
 import selectors
 import socket
-import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
+from pagedkv.plugins.socket_lock import SocketLock
 from pagedkv.plugins.telemetry_address import Address, TelemetryAddressError
 
 log = logging.getLogger("pagedkv.telemetry")
+_ACCEPT_BACKOFF_MIN_S = 0.05
+_ACCEPT_BACKOFF_MAX_S = 1.0
+
+
+class RateLimitedLog:
+    """At most one warning per ``period_s`` per kind; the next one says how many were held back."""
+
+    def __init__(self, logger: logging.Logger, period_s: float) -> None:
+        self.logger, self.period_s = logger, period_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -float("inf")) < self.period_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" ({held} more like it in the last {self.period_s:g}s)" if held else ""
+        self.logger.warning(fmt + suffix, *args)
 
 
 class _Client:
@@ -57,11 +78,20 @@ class TelemetryServer:
         max_bytes: int = 32 << 20,
         heartbeat_s: float = 1.0,
         sndbuf: int | None = None,
+        max_clients: int = 16,
+        warn_period_s: float = 10.0,
     ) -> None:
         self.address = address
         self._greeting, self._resync, self._heartbeat = greeting, resync, heartbeat
         self.max_lines, self.max_bytes, self.heartbeat_s = max_lines, max_bytes, heartbeat_s
         self.sndbuf = sndbuf  # the kernel's send buffer per client (tests shrink it to show a slow client)
+        self.max_clients = max_clients
+        self.lock_file: SocketLock | None = None
+        self.total_refused = 0
+        self.accept_failures = 0
+        self._accept_backoff = 0.0
+        self._accept_paused_until = 0.0
+        self._warnings = RateLimitedLog(log, warn_period_s)
         self.lock = threading.Lock()
         self.clients: list[_Client] = []
         self.total_drops = 0
@@ -93,28 +123,19 @@ class TelemetryServer:
         return sock
 
     def _listen_unix(self, path: str) -> socket.socket:
-        if os.path.lexists(path):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise TelemetryAddressError(f"telemetry socket path {path} exists and is not a socket; not touching it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # a stale socket left by a finished run
-            else:
-                raise TelemetryAddressError(f"telemetry socket {path} is in use by another engine")
-            finally:
-                probe.close()
+        self.lock_file = SocketLock.claim(path)  # refuses unless the path is free or provably our stale socket
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket file is created 0600, with no window where it is wider
         try:
             sock.bind(path)
         except OSError as exc:
             sock.close()
+            self.lock_file.release(remove_socket=False)
             raise TelemetryAddressError(f"cannot create telemetry socket {path}: {exc.strerror}") from None
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self.lock_file.record_socket()
         sock.listen(8)
         sock.setblocking(False)
         return sock
@@ -170,9 +191,8 @@ class TelemetryServer:
         self.clients = []
         with contextlib.suppress(OSError):
             self._listener.close()
-        if self.address.kind == "unix":
-            with contextlib.suppress(OSError):
-                os.unlink(self.address.path or "")
+        if self.lock_file is not None:
+            self.lock_file.release(remove_socket=True)  # only the socket file we created, then the lock
         self._wake_r.close()
         self._wake_w.close()
 
@@ -184,9 +204,16 @@ class TelemetryServer:
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         registered: dict[_Client, int] = {}
         last_beat = time.monotonic()
+        listening = True
         try:
             while not self._stopping:
-                for key, mask in sel.select(timeout=self.heartbeat_s / 2):
+                now = time.monotonic()
+                if listening != (now >= self._accept_paused_until):  # accept failing: stop polling it for a while
+                    listening = not listening
+                    (sel.register(self._listener, selectors.EVENT_READ, "listen") if listening
+                     else sel.unregister(self._listener))
+                timeout = self.heartbeat_s / 2 if listening else self._accept_paused_until - now
+                for key, mask in sel.select(timeout=max(0.0, min(self.heartbeat_s / 2, timeout))):
                     if key.data == "listen":
                         self._accept()
                     elif key.data == "wake":
@@ -223,9 +250,21 @@ class TelemetryServer:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
-                log.warning("telemetry accept failed: %s", exc)
+            except OSError as exc:  # e.g. too many open files: back off instead of spinning on a ready listener
+                self.accept_failures += 1
+                self._accept_backoff = min(_ACCEPT_BACKOFF_MAX_S, max(_ACCEPT_BACKOFF_MIN_S, self._accept_backoff * 2))
+                self._accept_paused_until = time.monotonic() + self._accept_backoff
+                self._warnings.warn("accept", "telemetry accept failed: %s; pausing new connections for up to %.1fs",
+                                    exc, _ACCEPT_BACKOFF_MAX_S)
                 return
+            self._accept_backoff = 0.0
+            if len(self.clients) >= self.max_clients:
+                self.total_refused += 1
+                self._warnings.warn("refused", "telemetry: refused a client: already %d clients (the max_clients "
+                                    "telemetry option)", self.max_clients)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
             sock.setblocking(False)
             if self.sndbuf:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf)

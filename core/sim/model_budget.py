@@ -37,8 +37,9 @@ def load_model_config(path: str | Path | None) -> SimpleNamespace:
         raw = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise SimulationError(f"--model-config {path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise SimulationError(f"--model-config {path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        reason = exc if isinstance(exc, ValueError) else "nested too deeply"
+        raise SimulationError(f"--model-config {path}: not valid JSON ({reason})") from None
     if not isinstance(raw, dict):
         raise SimulationError(f"--model-config {path}: expected a JSON object")
     raw = dict(raw.get("text_config") or {}, **{k: v for k, v in raw.items() if k != "text_config"})

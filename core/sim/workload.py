@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.limits import check_cap
 
 
 class WorkloadError(PagedKVError, ValueError):
@@ -95,6 +96,7 @@ def builtin_workload(
         )
     if num_requests < 1:
         raise WorkloadError(f"--num-requests must be at least 1, got {num_requests}")
+    check_cap("requests", num_requests, "--num-requests", WorkloadError)
     if request_rate is not None and not (request_rate > 0 and math.isfinite(request_rate)):
         raise WorkloadError(f"--request-rate must be a positive number of requests per second, got {request_rate}")
     rng = random.Random(seed)
@@ -150,6 +152,8 @@ def load_jsonl(path: str | Path) -> Workload:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise WorkloadError(f"{where}: the JSON is nested too deeply") from None
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - _KEYS)
@@ -177,6 +181,7 @@ def load_jsonl(path: str | Path) -> Workload:
         output_len = _int_field(obj, "output_len", where, 1)
         n = _int_field(obj, "n", where, 1) if "n" in obj else 1
         rid = obj.get("id")
+        check_cap("requests", len(requests) + 1, f"{path}: the number of requests", WorkloadError)
         requests.append(
             SimRequest(prompt_len, output_len, float(arrival), ids, None if rid is None else str(rid), n, source=where)
         )
@@ -225,6 +230,7 @@ def load_trace(path: str | Path) -> Workload:
                 prompt = data.get("prompt_tokens")
                 if not isinstance(prompt, int) or prompt < 1:
                     raise WorkloadError(f"{where}: request_add of {rid!r} has no valid prompt_tokens")
+                check_cap("requests", len(added) + 1, f"{path}: the number of requests", WorkloadError)
                 added[rid] = SimRequest(
                     prompt, 1, prev_t, None, rid, int(data.get("n", 1) or 1), arrival_step=step, source=where
                 )
@@ -261,7 +267,7 @@ def is_trace(path: str | Path) -> bool:
         with open(path, "rb") as fh:
             first = fh.readline(1 << 16)
         msg = json.loads(first)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(msg, dict) and msg.get("type") == "hello" and "v" in msg
 
