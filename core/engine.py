@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
+from pagedkv.core.detokenizer import IncrementalDetokenizer
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.kv_cache import KVCacheSpec
@@ -124,6 +125,7 @@ class Engine:
         self.stats = RunStats()
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its output text, built incrementally
         self._ids = itertools.count()
         self.pm.hook.pagedkv_engine_started(engine=self)
 
@@ -418,7 +420,7 @@ class Engine:
         elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             reason = "length"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self._decode(seq, final=reason is not None)
             for s in p.stop:
                 cut = text.find(s)
                 if cut >= 0:
@@ -485,7 +487,7 @@ class Engine:
         completions = []
         for index, seq in enumerate(seqs):
             if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                seq.output_text = self._decode(seq.output_token_ids)
+                seq.output_text = self._decode(seq, final=seq.is_finished)
             completions.append(
                 CompletionOutput(
                     index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.error
@@ -494,12 +496,17 @@ class Engine:
         first = seqs[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, finished)
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, seq: Sequence, final: bool) -> str:
+        """The sequence's output text so far: only its new tokens are decoded; an unfinished character waits."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        detokenizer = self._detokenizers.get(seq.seq_id)
+        if detokenizer is None:
+            detokenizer = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        return detokenizer.update(seq.output_token_ids, final)
 
     def _forget(self, seq: Sequence) -> None:
+        self._detokenizers.pop(seq.seq_id, None)
         key = self._seq_keys.pop(seq.seq_id, None)
         if key is not None:
             self.sampler.forget(key)
