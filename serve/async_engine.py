@@ -152,6 +152,7 @@ class AsyncEngine:
                 self._end_all(partial(RequestFailed, "the server stopped"))
                 return
             if not engine.has_unfinished():
+                self._observe()  # aborts may have emptied the engine: the gauges must show it
                 continue
             try:
                 outputs = engine.step(stream=True)
@@ -163,11 +164,14 @@ class AsyncEngine:
             self._deliver(outputs)
             with self._cv:
                 self._waiting = len(engine.scheduler.waiting)
-            if self.on_step is not None:
-                try:
-                    self.on_step(engine)
-                except Exception:  # noqa: BLE001 - metrics must never stop serving
-                    log.exception("metrics update failed")
+            self._observe()
+
+    def _observe(self) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                log.exception("metrics update failed")
 
     def _take(self, inbox: list[tuple[str, Any]]) -> None:
         for kind, payload in inbox:
