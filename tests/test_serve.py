@@ -9,11 +9,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import MODEL, running_server, tiny_chat_engine
 
 from conftest import hf_greedy
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.serve.testing import byte_level_tokenizer
-from serve_helpers import MODEL, running_server, tiny_chat_engine
 
 FAIL_TOKEN = 5  # a completion prompt starting with this token fails inside the step (a plugin fault)
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
