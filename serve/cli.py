@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="cpu, cuda or auto")
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    a("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+      help="reuse KV blocks of shared prefixes (on by default, as in vLLM: chats share their system prompt)")
     a("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
     a("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     a("--telemetry", default=None, metavar="ADDR",
