@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -68,7 +67,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._stopping = False
         self._draining = False
-        self._next_id = 0
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self.dead: BaseException | None = None
 
@@ -101,10 +99,6 @@ class AsyncEngine:
         return not (self._draining or self._stopping) and self.dead is None
 
     # --- the asyncio side ---------------------------------------------------------------------------
-
-    def new_request_id(self, prefix: str) -> str:
-        self._next_id += 1
-        return f"{prefix}-{self._next_id}-{time.monotonic_ns() & 0xFFFFFF:06x}"
 
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestHandle:
         """Queue a request; return once the engine has taken it (by the next step).
@@ -140,6 +134,14 @@ class AsyncEngine:
     # --- the loop thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: fail loudly, /health turns 503
+            log.exception("the engine loop died")
+            self.dead = exc
+            self._end_all(partial(RequestFailed, f"the engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cv:

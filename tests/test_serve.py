@@ -279,3 +279,22 @@ def test_chat_without_a_chat_template_is_a_clear_400_and_completions_work():
             client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)
         assert info.value.body["param"] == "messages"
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_a_step_that_raises_fails_the_requests_in_it_and_the_server_goes_on(served, client, monkeypatch):
+    url, engine = served
+    real_execute = engine.runner.execute
+    calls = []
+
+    def broken_once(out):
+        if not calls:
+            calls.append(out)
+            raise RuntimeError("injected step failure")
+        return real_execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    failed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+    assert failed.status_code == 500 and "injected step failure" in failed.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3, **GREEDY).usage.completion_tokens == 3
+    wait_until(lambda: engine.pool.num_free == engine.num_blocks)
+    assert httpx.get(url + "/health").status_code == 200
