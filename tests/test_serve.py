@@ -140,13 +140,14 @@ def test_32_concurrent_streaming_clients_all_finish_in_shared_steps(served):
 
 def test_client_that_disconnects_mid_stream_gives_its_blocks_back(client, served):
     url, engine = served
+    generated_before = engine.stats.generated_tokens
     stream = client.completions.create(model=MODEL, prompt="a long answer", max_tokens=450, stream=True, **GREEDY)
     for _, _chunk in zip(range(3), stream):
         pass
     assert metrics(url)["pagedkv:kv_cache_blocks_used"] > 0
     stream.close()
     wait_until(lambda: metrics(url)["pagedkv:kv_cache_blocks_used"] == 0 and not engine.has_unfinished())
-    assert engine.stats.generated_tokens < engine.stats.prompt_tokens + 10_000  # sanity: it did not run on
+    assert engine.stats.generated_tokens - generated_before < 450  # aborted, not run to its end
     assert engine.pool.num_free == engine.num_blocks
 
 
