@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.cli.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    from pagedkv.serve.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
     return parser
 
 
@@ -102,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plugins(args)
         if args.command == "simulate":
             return cmd_simulate(args)
+        if args.command == "serve":
+            from pagedkv.serve.cli import run as run_serve
+
+            return run_serve(args)
         if args.command == "monitor":
             from pagedkv.monitor.main import run as run_monitor
 

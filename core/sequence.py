@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.block_table import BlockTable
+from pagedkv.core.detokenizer import output_text
 from pagedkv.core.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -48,6 +49,7 @@ class Sequence:
     error: str | None = None  # why the request failed (finish reason "error")
     run_order: int = 0  # stamped by the scheduler each time it starts running: the running queue's order
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
+    detokenizer: Any = field(default=None, repr=False)  # its output text, decoded a few tokens at a time
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token (logprobs set)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
@@ -158,8 +160,7 @@ class RequestOutput:
         completions = []
         for index, seq in enumerate(seqs):
             if not isinstance(seq.stop_reason, str):
-                ids = seq.output_token_ids
-                seq.output_text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+                seq.output_text = output_text(seq, tokenizer, final=seq.is_finished)
             completions.append(seq.completion(index))
         first = seqs[0]
         return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.core.detokenizer import output_text
 from pagedkv.core.sequence import Sequence
 
 
@@ -31,7 +32,7 @@ class StopCheck:
         elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             result = ("length", None)
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = output_text(seq, self.tokenizer, final=result is not None)
             for s in p.stop:
                 cut = text.find(s)
                 if cut >= 0:

@@ -1,0 +1,268 @@
+"""The engine loop on its own thread, fed and drained from asyncio (vLLM's AsyncLLM, in small).
+
+The :class:`~pagedkv.core.engine.Engine` is not thread-safe, so only the loop thread
+touches it. The asyncio side puts ``add`` and ``abort`` commands in an inbox; the loop
+takes them between steps (requests that arrive while it steps join the next step:
+continuous batching across HTTP clients), steps while anything is unfinished, and
+sleeps on a condition when idle. Each step's outputs go to their requests' asyncio
+queues with one ``call_soon_threadsafe`` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from pagedkv.core.errors import RequestRejected
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sequence import RequestOutput
+
+log = logging.getLogger("pagedkv.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_waiting``: answered 503 with Retry-After."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: no new requests."""
+
+
+class RequestFailed(Exception):
+    """The request ended with an error inside a step (its own, or the step's)."""
+
+
+class Aborted(Exception):
+    """The server ended the request early (shutdown grace period over): finish reason ``abort``."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future | None = None
+
+
+class AsyncEngine:
+    """Runs ``engine`` on a thread; :meth:`generate` streams one request's outputs to a coroutine.
+
+    ``max_waiting`` bounds the sequences waiting for a first step (queued adds included);
+    ``on_step`` is called on the loop thread after every step with the engine (metrics).
+    """
+
+    def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []  # ("add", (stream, prompt, params)) / ("abort", request_id)
+        self._pending_adds = 0  # adds in the inbox: counted as waiting
+        self._waiting = 0  # the scheduler's waiting queue after the last step (written by the loop thread)
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._stopping = False
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self.dead: BaseException | None = None
+
+    # --- lifecycle (any thread) ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and end the loop thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """Stop accepting requests (in-flight ones go on); called when a shutdown signal arrives."""
+        with self._cv:
+            self._draining = True
+
+    def abort_all(self) -> None:
+        """End every in-flight request now (finish reason ``abort``): the end of a shutdown grace period."""
+        with self._cv:
+            self._inbox.append(("abort_all", None))
+            self._cv.notify()
+
+    @property
+    def accepting(self) -> bool:
+        return not (self._draining or self._stopping) and self.dead is None
+
+    # --- the asyncio side ---------------------------------------------------------------------------
+
+    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestHandle:
+        """Queue a request; return once the engine has taken it (by the next step).
+
+        Raises :class:`QueueFull` or :class:`ShuttingDown` at once, ``RequestRejected`` if the engine
+        refuses it. Iterate the handle for its outputs; :meth:`RequestHandle.close` (always call it,
+        in a ``finally``) aborts the request if it has not finished: a client that went away or a
+        cancelled task gives its blocks back at once.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, loop, accepted=loop.create_future())
+        with self._cv:
+            if not self.accepting:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending_adds + self._waiting >= self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
+            self._pending_adds += 1
+            self._inbox.append(("add", (stream, prompt, params)))
+            self._cv.notify()
+        handle = RequestHandle(self, stream)
+        try:
+            await stream.accepted
+        except BaseException:
+            handle.close()  # cancelled while queued: the add may still go through, so abort it too
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    # --- the loop thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: fail loudly, /health turns 503
+            log.exception("the engine loop died")
+            self.dead = exc
+            self._end_all(partial(RequestFailed, f"the engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stopping and not engine.has_unfinished():
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            self._take(inbox)
+            if stopping:
+                self._end_all(partial(RequestFailed, "the server stopped"))
+                return
+            if not engine.has_unfinished():
+                self._observe()  # aborts may have emptied the engine: the gauges must show it
+                continue
+            try:
+                outputs = engine.step(stream=True)
+            except Exception as exc:  # noqa: BLE001 - a failed step must not end the server
+                log.exception("engine step failed; ending the requests in flight")
+                message = f"the engine step failed: {type(exc).__name__}: {exc}"
+                self._end_all(partial(RequestFailed, message))
+                continue
+            self._deliver(outputs)
+            with self._cv:
+                self._waiting = len(engine.scheduler.waiting)
+            self._observe()
+
+    def _observe(self) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                log.exception("metrics update failed")
+
+    def _take(self, inbox: list[tuple[str, Any]]) -> None:
+        for kind, payload in inbox:
+            if kind == "add":
+                with self._cv:
+                    self._pending_adds -= 1
+                self._add(*payload)
+            elif kind == "abort":
+                if self._streams.pop(payload, None) is not None:
+                    self.engine.abort(payload)
+            else:  # abort_all: give every stream a last output with finish reason "abort"
+                for request_id in list(self._streams):
+                    self._abort_cleanly(request_id)
+        with self._cv:
+            self._waiting = len(self.engine.scheduler.waiting)
+
+    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=stream.request_id)
+        except Exception as exc:  # noqa: BLE001 - RequestRejected, or a tokenizer failure: this request only
+            error = exc if isinstance(exc, RequestRejected) else RequestRejected(f"{type(exc).__name__}: {exc}")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, error)
+            return
+        self._streams[stream.request_id] = stream
+        stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+
+    def _abort_cleanly(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id)
+        self.engine.abort(request_id)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Aborted("the server is stopping"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _end_all(self, error: Callable[[], BaseException]) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error())
+        self._streams.clear()
+
+
+class RequestHandle:
+    """One request's outputs, in order: cumulative :class:`RequestOutput` s, the last one ``finished``."""
+
+    def __init__(self, owner: AsyncEngine, stream: _Stream) -> None:
+        self._owner = owner
+        self._stream = stream
+        self.request_id = stream.request_id
+        self.finished = False
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

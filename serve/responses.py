@@ -1,0 +1,200 @@
+"""Turning a request's engine outputs into OpenAI responses: one JSON body, or server-sent events.
+
+A request here is one or more engine requests (one per prompt, each with ``n`` samples);
+choice ``i`` of prompt ``p`` is OpenAI choice ``p * n + i``. Streams send only new text
+per chunk; with stop strings the last ``len(stop) - 1`` characters wait until the next
+output, so text that turns out to be the start of a stop string is never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
+from pagedkv.serve.protocol import error_body
+
+
+@dataclass
+class Job:
+    """What the route handler prepared: the engine requests of one HTTP request, and how to answer."""
+
+    chat: bool
+    response_id: str
+    model: str
+    n: int
+    handles: list[RequestHandle]
+    prompt_tokens: int
+    holdback: int  # characters held back while streaming (longest stop string - 1)
+    metrics: Any
+    arrival: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+
+
+class _Timer:
+    """Per engine request: time to first token, inter-output latency, end-to-end latency."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.last, self.first = job, None, True
+
+    def observe(self, out: Any) -> None:
+        now, m = time.perf_counter(), self.job.metrics
+        if self.first and any(c.token_ids for c in out.outputs):
+            m.ttft.observe(now - self.job.arrival)
+            self.first = False
+        elif self.last is not None:
+            m.itl.observe(now - self.last)
+        self.last = now
+        if out.finished:
+            m.e2e.observe(now - self.job.arrival)
+            for c in out.outputs:
+                m.finished(c.finish_reason)
+
+
+async def _merged(job: Job) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from every engine request of the job, as they come."""
+    timers = [_Timer(job) for _ in job.handles]
+    if len(job.handles) == 1:
+        async for out in job.handles[0]:
+            timers[0].observe(out)
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for out in handle:
+                timers[index].observe(out)
+                queue.put_nowait((index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(job.handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _error_of(completion: Any) -> str | None:
+    if completion.finish_reason != "error":
+        return None
+    return completion.error or "the request failed"
+
+
+async def collect(job: Job) -> tuple[int, dict[str, Any]]:
+    """The whole answer as one JSON body (status, body); a failed request answers 500 with its error."""
+    finals: dict[int, Any] = {}
+    try:
+        async for index, out in _merged(job):
+            if out.finished:
+                finals[index] = out
+    except RequestFailed as exc:
+        return 500, error_body(str(exc), "internal_server_error", code=500)
+    except Aborted as exc:
+        return 503, error_body(str(exc), "service_unavailable", code=503)
+    choices, completion_tokens = [], 0
+    for p in sorted(finals):
+        for c in finals[p].outputs:
+            if (error := _error_of(c)) is not None:
+                return 500, error_body(error, "internal_server_error", code=500)
+            completion_tokens += len(c.token_ids)
+            choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if job.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
+    choices.sort(key=lambda ch: ch["index"])
+    body = {"id": job.response_id, "object": "chat.completion" if job.chat else "text_completion",
+            "created": job.created, "model": job.model, "choices": choices,
+            "usage": _usage(job.prompt_tokens, completion_tokens)}
+    return 200, body
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for the job, ending in ``data: [DONE]``; leaving early aborts every request."""
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    head = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model}
+    usage_field = {"usage": None} if include_usage else {}
+    sent: dict[int, int] = {}  # choice index -> characters sent
+    done: set[int] = set()
+    tokens: dict[int, int] = {}
+
+    def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False) -> str:
+        if job.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return _sse({**head, "choices": [choice], **usage_field})
+
+    try:
+        if job.chat:
+            for index in range(len(job.handles) * job.n):
+                yield chunk(index, None, None, role=True)
+        try:
+            async for p, out in _merged(job):
+                for c in out.outputs:
+                    index = p * job.n + c.index
+                    if index in done:
+                        continue
+                    if (error := _error_of(c)) is not None:
+                        yield _sse(error_body(error, "internal_server_error", code=500))
+                        yield "data: [DONE]\n\n"
+                        return
+                    tokens[index] = len(c.token_ids)
+                    finished = c.finish_reason is not None
+                    end = len(c.text) if finished else max(sent.get(index, 0), len(c.text) - job.holdback)
+                    text = c.text[sent.get(index, 0):end]
+                    sent[index] = end
+                    if finished:
+                        done.add(index)
+                        yield chunk(index, text, c.finish_reason, c.stop_reason)
+                    elif text:
+                        yield chunk(index, text, None)
+        except RequestFailed as exc:
+            yield _sse(error_body(str(exc), "internal_server_error", code=500))
+            yield "data: [DONE]\n\n"
+            return
+        except Aborted:  # the server is stopping: every open choice ends here, cleanly
+            for index in range(len(job.handles) * job.n):
+                if index not in done:
+                    yield chunk(index, None, "abort")
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(job.prompt_tokens, sum(tokens.values()))})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.close()
