@@ -148,7 +148,7 @@ def test_client_that_disconnects_mid_stream_gives_its_blocks_back(client, served
     stream.close()
     wait_until(lambda: metrics(url)["pagedkv:kv_cache_blocks_used"] == 0 and not engine.has_unfinished())
     assert engine.stats.generated_tokens - generated_before < 450  # aborted, not run to its end
-    assert engine.pool.num_free == engine.num_blocks
+    assert engine.pool.num_available == engine.num_blocks
 
 
 def test_non_streaming_client_that_goes_away_aborts_its_request(served):
@@ -156,7 +156,7 @@ def test_non_streaming_client_that_goes_away_aborts_its_request(served):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 450, "ignore_eos": True,
                                                   "temperature": 0}, timeout=0.3)
-    wait_until(lambda: not engine.has_unfinished() and engine.pool.num_free == engine.num_blocks)
+    wait_until(lambda: not engine.has_unfinished() and engine.pool.num_available == engine.num_blocks)
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -297,5 +297,5 @@ def test_a_step_that_raises_fails_the_requests_in_it_and_the_server_goes_on(serv
     failed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
     assert failed.status_code == 500 and "injected step failure" in failed.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3, **GREEDY).usage.completion_tokens == 3
-    wait_until(lambda: engine.pool.num_free == engine.num_blocks)
+    wait_until(lambda: engine.pool.num_available == engine.num_blocks)
     assert httpx.get(url + "/health").status_code == 200
