@@ -1,8 +1,8 @@
 """Sliding-window attention and attention-logit softcapping: token-identical to transformers (greedy, fp32).
 
 Tiny random Mistral (one window for every layer), Gemma 2 (softcapping, sliding
-and full layers alternating) and Qwen2 with ``use_sliding_window`` (full layers
-below ``max_window_layers``), each with a window shorter than prompt + output.
+and full layers alternating), Gemma 3 (alternating, its own local RoPE) and Qwen2
+with ``use_sliding_window`` (full layers below ``max_window_layers``), each with a window shorter than prompt + output.
 A control run without the window (same weights) proves each case depends on it.
 """
 
@@ -56,7 +56,21 @@ def tiny_qwen2(window: int | None = WINDOW):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-BUILDERS = {"mistral": tiny_mistral, "gemma2": tiny_gemma2, "qwen2": tiny_qwen2}
+def tiny_gemma3(window: int | None = WINDOW):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(sliding_window=window or 10_000, sliding_window_pattern=2, **COMMON)
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # as for Gemma 2: large enough scores that the window matters within a few tokens
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+BUILDERS = {"mistral": tiny_mistral, "gemma2": tiny_gemma2, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}
 
 
 def hf_tokens(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:

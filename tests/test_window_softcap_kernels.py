@@ -105,3 +105,20 @@ def test_copy_grid_puts_the_pair_count_on_axis_0():
     assert grid == (200_000, 32, 16)
     with pytest.raises(ValueError, match="65,535"):
         copy_grid(1, 70_000, 16, 16)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_torch_mask_is_transformers_sliding_window_mask(window):
+    """The off-by-one that matters: our mask equals transformers' own mask function, key by key."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from pagedkv.backends.torch_ref.attention import step_mask
+    from pagedkv.core.attention_metadata import AttentionMetadata
+
+    hf = sliding_window_causal_mask_function(window)
+    # one prefill of 5 tokens after 9 cached ones: query positions 9..13 over keys 0..13
+    meta = AttentionMetadata.build(block_tables=[[0, 1, 2, 3]], context_lens=[9], query_lens=[5], block_size=4)
+    ours = step_mask(meta, torch.device("cpu"), window)[0, 0]
+    zero = torch.tensor(0)
+    want = hf(zero, zero, 9 + torch.arange(5)[:, None], torch.arange(14)[None, :]).expand(5, 14)
+    assert torch.equal(ours, want)
