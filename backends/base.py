@@ -37,11 +37,24 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal paged attention of packed ``query`` ``[T, H, D]``; returns ``[T, H, D]``.
 
         Keys come only from the cache (written before this call), so decodes
         and prefill chunks with earlier context are handled the same way.
+
+        ``window`` (sliding-window attention, per layer): a query at absolute
+        position ``p`` sees only keys at positions ``p - window < k <= p``, i.e.
+        the last ``window`` tokens including itself (transformers'
+        ``sliding_window`` semantics). ``None`` means full causal attention.
+        Keys outside the window stay in the cache; they are just not attended.
+
+        ``softcap`` (Gemma 2's ``attn_logit_softcapping``): every score
+        ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the
+        mask and the softmax. ``None`` means no capping.
         """
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 
 transformers looks the function up by name (``AttentionInterface``) and passes
 any extra kwarg of ``model(...)`` through unchanged; the step's
-:class:`StepContext` rides along as ``pagedkv_step``. A mask function is
+:class:`StepContext` rides along as ``pagedkv_step``. A layer's sliding
+window and softcap arrive as the ``sliding_window`` / ``softcap`` kwargs and
+go to the backend per call. A mask function is
 registered under the same name and returns no mask, because the backend builds
 its own causal mask from the metadata.
 """
@@ -49,7 +51,14 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     step.backend.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = step.backend.attend(q, k_cache, v_cache, step.meta, scale)
+    # transformers tells each layer its own window (Gemma 2/3 alternate) and softcap; check_model_support
+    # made sure at load that these agree with the config, so they are exactly what its masks would do.
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    if window is None and softcap is None:
+        out = step.backend.attend(q, k_cache, v_cache, step.meta, scale)
+    else:
+        out = step.backend.attend(q, k_cache, v_cache, step.meta, scale, window=window, softcap=softcap)
     return out.unsqueeze(0), None
 
 

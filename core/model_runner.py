@@ -16,6 +16,7 @@ from pagedkv.core.attention_metadata import AttentionMetadata
 from pagedkv.core.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedkv.core.logprobs import prompt_logprob_span
+from pagedkv.core.model_support import check_model_support
 from pagedkv.core.scheduler import SchedulerOutput
 
 
@@ -23,6 +24,7 @@ class ModelRunner:
     def __init__(
         self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str, swap_space: Any = None
     ) -> None:
+        self.layer_attention = check_model_support(model)  # refuse what the engine would run wrongly, before anything
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model

@@ -81,3 +81,20 @@ def test_decode_launch_shape_mirrors_the_kernel(elem_size: int, head_dim: int, t
     assert (shape.tpr, shape.elems, shape.groups) == (tpr, elems, groups)
     # Dynamic shared memory stays under the 48 KiB that needs no opt-in, for the largest tile and partition.
     assert shape.shared_bytes(8, 512) <= 48 * 1024
+
+
+@pytest.mark.parametrize("elem_size", [4, 2])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_tile", [1, 2, 4, 8])
+@pytest.mark.parametrize("requested", [16, 512, 1000, 4096, 1 << 20])
+def test_decode_partition_keeps_shared_memory_within_48_kib(elem_size, head_dim, head_tile, requested) -> None:
+    from pagedkv.backends.cupy.backend import SHARED_LIMIT, decode_partition
+
+    shape = _DecodeShape.of(elem_size, head_dim)
+    partition = decode_partition(requested, shape, head_tile)
+    assert 1 <= partition <= requested
+    assert shape.shared_bytes(head_tile, partition) <= SHARED_LIMIT == 48 * 1024
+    if partition < requested:  # cut only as far as needed: one more token would not fit
+        assert shape.shared_bytes(head_tile, partition + 1) > SHARED_LIMIT
+    if requested <= 512:  # the default partitions are never cut
+        assert partition == requested

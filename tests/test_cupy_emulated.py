@@ -147,6 +147,10 @@ CASES = [
     ("check_copy_blocks", "float16", {"block_size": 1, "num_kv_heads": 1, "head_dim": 3}),
     ("check_copy_blocks", "bfloat16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
     ("partition_16", "float16", {}),
+    ("check_window_softcap", "float32", {"window": 7, "partition": 16}),
+    ("check_window_softcap", "float16", {"softcap": 2.0}),
+    ("check_window_softcap", "bfloat16", {"window": 30, "softcap": 3.0, "partition": 16}),
+    ("check_window_softcap", "float32", {"window": 1}),
 ]
 
 RUNNER = textwrap.dedent(

@@ -96,8 +96,11 @@ def make_case(
     )
 
 
-def naive_attention(case: Case) -> torch.Tensor:
-    """Causal paged attention from the definition, in float64 on the CPU, one sequence at a time."""
+def naive_attention(case: Case, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal paged attention from the definition, in float64 on the CPU, one sequence at a time.
+
+    ``window``: a query at position p sees keys p - window < k <= p; ``softcap``: scores become cap * tanh(s / cap).
+    """
     q = case.query.double().cpu()
     k_cache, v_cache = case.k_cache.double().cpu(), case.v_cache.double().cpu()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -112,7 +115,12 @@ def naive_attention(case: Case) -> torch.Tensor:
         values = v_cache[blocks, pos % block_size].repeat_interleave(group, dim=1)
         rows = q[start : start + q_len]  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", rows, keys) * case.scale
-        allowed = pos[None, :] <= (ctx + torch.arange(q_len))[:, None]  # bottom-right causal
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = (ctx + torch.arange(q_len))[:, None]
+        allowed = pos[None, :] <= q_pos  # bottom-right causal
+        if window is not None:
+            allowed &= pos[None, :] > q_pos - window
         scores = scores.masked_fill(~allowed[None], -math.inf)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
         start += q_len
@@ -133,6 +141,19 @@ def assert_close_to(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, w
 
 
 # ---------------------------------------------------------------------- checks (backend, device)
+
+
+def check_window_softcap(backend, device, dtype, window=None, softcap=None, partition=None) -> None:
+    """Decodes (one spanning several partitions) and prefill chunks with a sliding window and/or softcapping."""
+    case = make_case(context_lens=[150, 40, 0, 9], query_lens=[1, 1, 37, 20], num_heads=8, num_kv_heads=2,
+                     head_dim=64, dtype=dtype, device=device, seed=11)
+    backend.partition_size = partition
+    try:
+        out = backend.attend(case.query, case.k_cache, case.v_cache, case.meta, case.scale, window=window,
+                             softcap=softcap)
+    finally:
+        backend.partition_size = None
+    assert_close_to(out, naive_attention(case, window, softcap), dtype, f"window={window} softcap={softcap}")
 
 
 def check_attention(backend, device, **case_args) -> Case:
@@ -391,3 +412,10 @@ def test_engine_greedy_matches_transformers(tiny_models, arch):
     llm = LLM(hf_model=model, device="cuda", backend="cupy", dtype="float32", block_size=16, num_blocks=256)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap", "partition"), [(7, None, 16), (None, 2.0, None), (30, 3.0, 16),
+                                                              (1, None, None)])
+def test_sliding_window_and_softcap(backend, dtype, window, softcap, partition):
+    check_window_softcap(backend, "cuda", dtype, window=window, softcap=softcap, partition=partition)

@@ -29,6 +29,8 @@ _COPY_THREADS = 256
 _DEFAULT_PARTITION = 512
 _MIN_PARTITION = 128
 _MAX_GRID_YZ = 65535
+# Dynamic shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+SHARED_LIMIT = 48 * 1024
 # Set to 1 to synchronise after every launch, so an asynchronous fault is reported at the kernel that caused it.
 SYNC_ENV = "PAGEDKV_CUPY_SYNC"
 
@@ -57,6 +59,16 @@ class _DecodeShape:
         floats = head_tile * partition_size + 2 * head_tile + self.groups // 2 * head_tile * self.elems * self.tpr
         return 4 * floats
 
+    def max_partition(self, head_tile: int, limit: int = SHARED_LIMIT) -> int:
+        """The longest partition whose scores still fit ``limit`` bytes of shared memory."""
+        return (limit - self.shared_bytes(head_tile, 0)) // (4 * head_tile)
+
+
+def decode_partition(requested: int, shape: _DecodeShape, head_tile: int, limit: int = SHARED_LIMIT) -> int:
+    """The decode partition length actually launched: ``requested``, cut down so shared memory stays within
+    ``limit`` (48 KiB needs no opt-in on any GPU; a partition near 1,000 tokens with 8 heads per tile would not)."""
+    return max(1, min(requested, shape.max_partition(head_tile, limit)))
+
 
 @dataclass
 class _Call:
@@ -74,6 +86,8 @@ class _Call:
     block_size: int
     elem_size: int
     scale: np.float32
+    window: np.int32  # 0: no sliding window
+    softcap: np.float32  # 0: no softcapping
 
 
 class _Module:
@@ -291,13 +305,19 @@ class CupyBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal paged attention of packed ``query`` ``[T, H, D]``; returns ``[T, H, D]``.
 
         Sequences with one query row this step go to the decode kernel, the
         others (prefill chunks, with or without cached context) to the prefill
-        kernel; the two write disjoint rows of the output.
+        kernel; the two write disjoint rows of the output. ``window``/``softcap``:
+        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset).
         """
+        if window is not None and window < 1:
+            raise ValueError(f"cupy backend: sliding window must be >= 1, got {window}")
         self._check_cache(k_cache, v_cache)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
@@ -330,6 +350,8 @@ class CupyBackend:
                 block_size=block_size,
                 elem_size=q.element_size(),
                 scale=np.float32(scale),
+                window=np.int32(window or 0),
+                softcap=np.float32(softcap or 0.0),
             )
             if not meta.query_lens_cpu or 1 in meta.query_lens_cpu:
                 self._decode(names, module, call)
@@ -346,11 +368,14 @@ class CupyBackend:
             max_len = meta.max_seq_len
         if max_len < 1:
             return
+        if c.window > 0:
+            max_len = min(max_len, int(c.window))  # partitions cover only the window
         num_seqs = meta.num_seqs
         group_size = c.num_heads // c.num_kv_heads
         tile = kc.head_tile(group_size)
         head_tiles = -(-group_size // tile)
-        partition = self._partition_size(num_seqs * c.num_kv_heads * head_tiles, max_len)
+        shape = _DecodeShape.of(c.elem_size, c.head_dim)
+        partition = decode_partition(self._partition_size(num_seqs * c.num_kv_heads * head_tiles, max_len), shape, tile)
         max_parts = -(-max_len // partition)
         if max_parts > 1:
             part_acc = torch.empty(
@@ -380,8 +405,10 @@ class CupyBackend:
             np.int32(max_parts),
             np.int32(c.block_size),
             c.scale,
+            c.window,
+            c.softcap,
         )
-        shared = _DecodeShape.of(c.elem_size, c.head_dim).shared_bytes(tile, partition)
+        shared = shape.shared_bytes(tile, partition)
         grid = (num_seqs, c.num_kv_heads * head_tiles, max_parts)
         name = names.decode[tile]
         self._launch(module.functions[name], name, grid, (_THREADS, 1, 1), args, shared_mem=shared)
@@ -396,6 +423,7 @@ class CupyBackend:
                 np.int32(c.num_heads),
                 np.int32(partition),
                 np.int32(max_parts),
+                c.window,
             )
             self._launch(
                 module.functions[names.reduce], names.reduce, (num_seqs, c.num_heads, 1), (_THREADS, 1, 1), args
@@ -422,6 +450,8 @@ class CupyBackend:
             np.int32(c.block_size),
             np.int32(2),  # min_query_len: single-row sequences belong to the decode kernel
             c.scale,
+            c.window,
+            c.softcap,
         )
         self._launch(module.functions[names.prefill], names.prefill, grid, (_THREADS, 1, 1), args)
 

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
     const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc,
     int max_blocks, int num_heads, int num_kv_heads, int partition_size, int max_parts, int block_size_rt,
-    float scale) {
+    float scale, int window, float softcap) {
     using namespace pagedkv;
     typedef typename DT::storage T;
     typedef DecodeShape<DT, HEAD_DIM> S;
@@ -61,10 +61,12 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
     if (query_start_loc[seq + 1] - q_row != 1) return;  // not a decode sequence this step
     const int seq_len = seq_lens[seq];
     const int part = blockIdx.z;
-    const int start = part * partition_size;
+    // With a sliding window only the last `window` tokens are attended: partitions cover [lo, seq_len).
+    const int lo = window > 0 ? max(0, seq_len - window) : 0;
+    const int start = lo + part * partition_size;
     if (start >= seq_len) return;
     const int n = min(partition_size, seq_len - start);
-    const int num_parts = (seq_len + partition_size - 1) / partition_size;
+    const int num_parts = (seq_len - lo + partition_size - 1) / partition_size;
 
     const int group_size = num_heads / num_kv_heads;
     const int head_tiles = (group_size + G_TILE - 1) / G_TILE;
@@ -135,6 +137,7 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
 #pragma unroll
             for (int i = 0; i < ELEMS; ++i) dot += q[g][i] * k[i];
             dot = group_sum(dot, TPR);
+            if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);  // q was pre-scaled: dot is the score
             if (valid && lane == 0 && g < gn) logits[g * partition_size + t] = dot;
         }
     }
@@ -255,13 +258,14 @@ __global__ void __launch_bounds__(128) pagedkv_decode_reduce(
     typename DT::storage* __restrict__ out,  // [num_tokens, num_heads, HEAD_DIM]
     const float* __restrict__ part_acc, const float* __restrict__ part_max, const float* __restrict__ part_sum,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, int num_heads, int partition_size,
-    int max_parts) {
+    int max_parts, int window) {
     using namespace pagedkv;
     const int seq = blockIdx.x;
     const int head = blockIdx.y;
     const int q_row = query_start_loc[seq];
     if (query_start_loc[seq + 1] - q_row != 1) return;
-    const int num_parts = (seq_lens[seq] + partition_size - 1) / partition_size;
+    const int seen = window > 0 ? min(seq_lens[seq], window) : seq_lens[seq];  // tokens the partitions cover
+    const int num_parts = (seen + partition_size - 1) / partition_size;
     if (num_parts <= 1) return;  // written directly by pagedkv_decode
     const i64 base = (static_cast<i64>(seq) * num_heads + head) * max_parts;
     float m = -INFINITY;

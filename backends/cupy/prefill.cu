@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
     const int* __restrict__ seq_lens,
     const int* __restrict__ context_lens,
     const int* __restrict__ query_start_loc,
-    int max_blocks, int num_heads, int num_kv_heads, int block_size_rt, int min_query_len, float scale) {
+    int max_blocks, int num_heads, int num_kv_heads, int block_size_rt, int min_query_len, float scale, int window,
+    float softcap) {
     using namespace pagedkv;
     typedef typename DT::storage T;
     typedef PrefillShape<DT, HEAD_DIM> S;
@@ -69,6 +70,8 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
     const int ctx = context_lens[seq];
     const int last_row = min(q_len - 1, (item0 + QM - 1) / group_size);
     const int kv_end = min(seq_len, ctx + last_row + 1);  // keys [0, kv_end) can be needed by this tile
+    // A sliding window hides keys <= position - window; the tile's first row sees nothing below kv_begin.
+    const int kv_begin = window > 0 ? max(0, ctx + item0 / group_size - window + 1) : 0;
 
     __shared__ float q_s[QM * LD];
     __shared__ float kv_s[BN * LD];
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
 
     const int* table = block_tables + static_cast<i64>(seq) * max_blocks;
 
-    for (int k0 = 0; k0 < kv_end; k0 += BN) {
+    for (int k0 = kv_begin; k0 < kv_end; k0 += BN) {
         __syncthreads();  // previous tile's readers of kv_s / p_s are done (and q_s is complete)
         // K tile.
         for (int e = tid; e < BN * S::ROW_VECS; e += PREFILL_THREADS) {
@@ -137,7 +140,9 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
             float dot = 0.f;
 #pragma unroll 8
             for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[my_item * LD + d] * kv_s[kk * LD + d];
-            s[j] = (k0 + kk <= my_limit && k0 + kk < kv_end) ? dot : -INFINITY;
+            if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);  // q was pre-scaled: dot is the score
+            const bool in_window = window <= 0 || k0 + kk > my_limit - window;
+            s[j] = (k0 + kk <= my_limit && k0 + kk < kv_end && in_window) ? dot : -INFINITY;
             tile_max = fmaxf(tile_max, s[j]);
         }
         tile_max = group_max(tile_max, TPI);

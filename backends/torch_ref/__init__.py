@@ -20,9 +20,17 @@ class TorchBackend:
         _ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return _ops.paged_attention(query, k_cache, v_cache, meta, scale)
+        return _ops.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
 
     def copy_blocks(self, kv_caches, pairs) -> None:  # noqa: ANN001
         _ops.copy_blocks(kv_caches, pairs)

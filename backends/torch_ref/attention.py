@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.attention_metadata import AttentionMetadata, slots_all_valid
 
 
 def write_kv(
@@ -19,9 +19,13 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter each token's K/V row to ``slot = block * block_size + offset``; -1 is skipped."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    """Scatter each token's K/V row to ``slot = block * block_size + offset``; -1 is skipped.
+
+    Slots built by :class:`AttentionMetadata` are known to be valid, so the engine's
+    path never asks the device whether any is -1 (a host sync per layer on CUDA).
+    """
+    if not slots_all_valid(slot_mapping):
+        keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
@@ -48,21 +52,27 @@ def gather_kv(
     return rows
 
 
-def step_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-    """``[S, 1, Q, K]`` boolean mask: causal (bottom-right aligned) and within each sequence's length.
+def step_mask(meta: AttentionMetadata, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """``[S, 1, Q, K]`` boolean mask: causal (bottom-right aligned), within each sequence's length and,
+    with a sliding ``window``, only the last ``window`` positions up to the query's own.
 
-    The same for every layer, so it is built once per step and kept on the metadata.
+    The same for every layer with the same window, so it is built once per step and kept on the metadata.
     """
-    cached = meta.backend_cache.get("torch_ref.mask")
+    key = f"torch_ref.mask.{window}"
+    cached = meta.backend_cache.get(key)
     if cached is not None:
         return cached
     q_pos = meta.context_lens.long()[:, None] + torch.arange(meta.max_query_len, device=device)[None, :]  # [S, Q]
     k_pos = torch.arange(meta.max_seq_len, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, K]
     mask &= k_pos[None, None, :] < meta.seq_lens.long()[:, None, None]
-    # Padded query rows would have an all-false mask (NaN softmax); give them key 0.
-    mask[:, :, 0] = True
-    meta.backend_cache["torch_ref.mask"] = mask = mask[:, None]
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    # Padded query rows would have an all-false mask (NaN softmax); give them key 0 (their output is dropped).
+    query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    padded_row = torch.arange(meta.max_query_len, device=device)[None, :] >= query_lens[:, None]  # [S, Q]
+    mask[:, :, 0] |= padded_row
+    meta.backend_cache[key] = mask = mask[:, None]
     return mask
 
 
@@ -72,12 +82,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries ``[T, H, D]`` over the paged cache.
+    """Causal paged attention of packed queries ``[T, H, D]`` over the paged cache.
 
     Sequences are padded to the step's longest query and longest history, then
-    one SDPA call with GQA handles them all; the mask encodes both the causal
-    rule ``key_pos <= context_len + q_pos`` and each sequence's real length.
+    one attention call with GQA handles them all; the mask encodes the causal
+    rule ``key_pos <= context_len + q_pos``, each sequence's real length and
+    the sliding window. ``window``/``softcap``: see ``AttentionBackend.attend``.
     """
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -95,13 +108,13 @@ def paged_attention(
         q = _pad_queries(query, meta, max_q)
     q = q.to(compute_dtype)
 
-    out = F.scaled_dot_product_attention(
+    out = attention_math(
         q.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=step_mask(meta, query.device),
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[2],
+        step_mask(meta, query.device, window),
+        scale,
+        softcap,
     ).transpose(1, 2)  # [S, Q, H, D]
 
     if max_q == 1:
@@ -109,25 +122,57 @@ def paged_attention(
     return _unpad_queries(out, meta).to(out_dtype)
 
 
-def _query_index(meta: AttentionMetadata, max_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, row) of every packed token, for scattering into a padded layout."""
-    lens = torch.tensor(meta.query_lens_cpu, device=device) if meta.query_lens_cpu else (
-        meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    ).long()
-    seq_idx = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), lens)
-    row_idx = torch.arange(seq_idx.shape[0], device=device) - meta.query_start_loc.long()[seq_idx]
+def attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """``softmax(cap(scale * q k^T) masked) v`` for ``q`` ``[S, H, Q, D]``, ``k``/``v`` ``[S, Hkv, K, D]``.
+
+    Without softcapping this is one SDPA call. SDPA cannot cap the scores, so
+    then the scores are computed explicitly, in the order transformers' eager
+    Gemma 2 attention uses (scale, divide by the cap, tanh, multiply, mask,
+    fp32 softmax), so greedy tokens match it exactly.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _query_index(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, row) of every packed token, for scattering into a padded layout; once per step.
+
+    Computed on the device from ``query_start_loc`` with the token count known
+    on the host (``output_size``), so nothing waits for the device.
+    """
+    cached = meta.backend_cache.get("torch_ref.query_index")
+    if cached is not None:
+        return cached
+    starts = meta.query_start_loc.long()
+    lens = starts[1:] - starts[:-1]
+    seq_idx = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=device), lens, output_size=meta.num_tokens
+    )
+    row_idx = torch.arange(meta.num_tokens, device=device) - starts[seq_idx]
+    meta.backend_cache["torch_ref.query_index"] = seq_idx, row_idx
     return seq_idx, row_idx
 
 
 def _pad_queries(query: torch.Tensor, meta: AttentionMetadata, max_q: int) -> torch.Tensor:
-    seq_idx, row_idx = _query_index(meta, max_q, query.device)
+    seq_idx, row_idx = _query_index(meta, query.device)
     padded = query.new_zeros((meta.num_seqs, max_q, *query.shape[1:]))
     padded[seq_idx, row_idx] = query
     return padded
 
 
 def _unpad_queries(out: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    seq_idx, row_idx = _query_index(meta, out.shape[1], out.device)
+    seq_idx, row_idx = _query_index(meta, out.device)
     return out[seq_idx, row_idx]
 
 
@@ -147,12 +192,38 @@ def swap_blocks(
     dst: list[tuple[torch.Tensor, torch.Tensor]],
     pairs: torch.Tensor,
 ) -> None:
-    """Move blocks between two caches on possibly different devices."""
+    """Move blocks between two caches on possibly different devices.
+
+    Between CUDA and the CPU the blocks travel through a pinned staging buffer
+    (a gather into pageable memory would make the copy both slower and
+    blocking): out of the GPU, gather there, one copy into pinned memory, then
+    scatter into the CPU pool; into the GPU, gather into pinned memory, one
+    non-blocking copy, scatter on the GPU. Index tensors move once per call.
+    """
     if pairs.numel() == 0:
         return
-    pairs = pairs.to(torch.int64)
+    pairs = pairs.to(torch.int64).reshape(-1, 2)
+    index: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def column(col: int, device: torch.device) -> torch.Tensor:
+        if (col, device) not in index:
+            index[(col, device)] = pairs[:, col].to(device)
+        return index[(col, device)]
+
     for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-        s = pairs[:, 0].to(sk.device)
-        d = pairs[:, 1].to(dk.device)
-        dk[d] = sk[s].to(dk.device)
-        dv[d] = sv[s].to(dv.device)
+        for s_cache, d_cache in ((sk, dk), (sv, dv)):
+            _move_blocks(s_cache, d_cache, column(0, s_cache.device), column(1, d_cache.device))
+
+
+def _move_blocks(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
+    if src.device == dst.device:
+        dst.index_copy_(0, d, src.index_select(0, s))
+        return
+    pin = torch.cuda.is_available() and "cuda" in (src.device.type, dst.device.type)
+    staging = torch.empty((s.numel(), *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+    if src.device.type == "cpu":
+        torch.index_select(src, 0, s, out=staging)
+        dst.index_copy_(0, d, staging.to(dst.device, non_blocking=pin).to(dst.dtype))
+    else:
+        staging.copy_(src.index_select(0, s))  # waits for the device: the CPU scatter below needs the data
+        dst.index_copy_(0, d, staging.to(dst.dtype))

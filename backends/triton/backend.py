@@ -116,11 +116,15 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             num_splits = self.force_num_splits
             if num_splits is None:
-                num_splits = self._split.choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len)
+                covered = min(meta.max_seq_len, window) if window else meta.max_seq_len
+                num_splits = self._split.choose_num_splits(meta.num_seqs, k_cache.shape[2], covered)
             if num_splits > 1:
                 return self._split.split_kv_decode(
                     query,
@@ -132,6 +136,8 @@ class TritonBackend:
                     meta.max_seq_len,
                     scale,
                     num_splits,
+                    window=window,
+                    softcap=softcap,
                 )
         return self._paged.paged_attention(
             query,
@@ -143,6 +149,8 @@ class TritonBackend:
             meta.query_start_loc,
             meta.max_query_len,
             scale,
+            window=window,
+            softcap=softcap,
         )
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:

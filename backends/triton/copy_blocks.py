@@ -1,6 +1,7 @@
 """``copy_blocks`` for copy-on-write: one launch copies every (src, dst) pair in every layer.
 
-Grid: ``(layer, pair, chunk)``. The layers' caches are separate tensors, so the
+Grid: ``(pair, layer, chunk)``: the pair count, the only large one, is on axis
+0 (up to 2**31 - 1 programs; axes 1 and 2 stop at 65,535). The layers' caches are separate tensors, so the
 kernel gets a table of their base addresses and turns each into a typed
 pointer. A block is contiguous inside (``block_size * Hkv * D`` elements) in
 the standard layout; the program copies one chunk of the K block and the same
@@ -25,8 +26,8 @@ def _copy_blocks_kernel(
     block_numel,
     CHUNK: tl.constexpr,
 ):
-    layer = tl.program_id(0)
-    pair = tl.program_id(1).to(tl.int64)
+    pair = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1)
     offs = tl.program_id(2).to(tl.int64) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
     mask = offs < block_numel
     src = tl.load(pairs_ptr + 2 * pair).to(tl.int64) * block_stride
@@ -48,6 +49,17 @@ def _check_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 raise ValueError(f"layer {layer}: copy_blocks needs caches whose blocks are contiguous inside")
 
 
+MAX_GRID_YZ = 65535
+
+
+def copy_grid(num_pairs: int, num_layers: int, block_numel: int, chunk: int) -> tuple[int, int, int]:
+    """Launch grid of the copy kernel, with the (unbounded) pair count on axis 0."""
+    grid = (num_pairs, num_layers, triton.cdiv(block_numel, chunk))
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(f"copy_blocks: grid {grid} exceeds CUDA's 65,535 limit on axes 1 and 2")
+    return grid
+
+
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor, chunk: int = 1024) -> None:
     """For every layer, copy block ``pairs[i, 0]`` onto block ``pairs[i, 1]`` in both K and V caches."""
     if not kv_caches or pairs.numel() == 0:
@@ -62,5 +74,5 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch
     v_addrs = torch.tensor([v.data_ptr() for _, v in kv_caches], dtype=torch.int64, device=device)
     block_numel = first[0].numel()
     chunk = min(chunk, triton.next_power_of_2(block_numel))
-    grid = (len(kv_caches), pairs.shape[0], triton.cdiv(block_numel, chunk))
+    grid = copy_grid(pairs.shape[0], len(kv_caches), block_numel, chunk)
     _copy_blocks_kernel[grid](k_addrs, v_addrs, pairs, first, first.stride(0), block_numel, CHUNK=chunk)

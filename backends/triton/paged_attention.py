@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.backends.triton.attn_tile import online_softmax_over_kv
+from pagedkv.backends.triton.attn_tile import interpreted, online_softmax_over_kv
 
 LOG2E = 1.4426950408889634
 
@@ -31,7 +31,9 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     context_lens_ptr,
     query_start_loc_ptr,
-    scale_log2e,
+    qk_scale,
+    cap_log2e,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -54,7 +56,9 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
@@ -87,14 +91,18 @@ def _paged_attention_kernel(
     q_pos = context_len + q_idx
     # The last row of this tile sees keys up to its own position; nothing past the history exists.
     kv_end = tl.minimum(context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len), seq_len)
+    # With a sliding window, the first row of this tile sees nothing below its own position - window + 1.
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_tile_start - window + 1, 0), 0)
 
     acc, m_i, l_i = online_softmax_over_kv(
         q,
         acc,
         m_i,
         l_i,
-        scale_log2e,
+        qk_scale,
+        cap_log2e,
         q_pos,
+        window,
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -107,13 +115,15 @@ def _paged_attention_kernel(
         stride_vs,
         stride_vh,
         stride_vd,
-        0,
+        kv_start,
         kv_end,
         HEAD_DIM,
         D_PAD,
         BLOCK_SIZE,
         TILE_N,
+        SOFTCAP,
         IEEE,
+        INTERPRET,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows that saw no key (none in a consistent batch) give 0, not NaN
     out = acc / l_i[:, None]
@@ -138,6 +148,20 @@ def use_ieee_dot(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return query.dtype == torch.float32 or k_cache.dtype == torch.float32
 
 
+def score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:
+    """``(qk_scale, cap_log2e, SOFTCAP)`` for the kernels: base-2 scores, capped when ``softcap`` is set."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E, True
+    return scale * LOG2E, 0.0, False
+
+
+def window_arg(window: int | None) -> int:
+    """The kernels' ``window`` argument: 0 for none."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    return int(window or 0)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -150,8 +174,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     tile_n: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of packed ``query`` ``[T, H, D]``; writes and returns ``out`` ``[T, H, D]``."""
+    """Causal paged attention of packed ``query`` ``[T, H, D]``; writes and returns ``out`` ``[T, H, D]``.
+
+    ``window``/``softcap``: see ``AttentionBackend.attend``.
+    """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -169,6 +198,7 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     block_q = rows_per_program(group_pad, max_query_len)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    qk_scale, cap_log2e, use_softcap = score_args(scale, softcap)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -178,7 +208,9 @@ def paged_attention(
         seq_lens,
         context_lens,
         query_start_loc,
-        scale * LOG2E,
+        qk_scale,
+        cap_log2e,
+        window_arg(window),
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -191,6 +223,8 @@ def paged_attention(
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
         TILE_N=max(16, tile_n),
+        SOFTCAP=use_softcap,
         IEEE=use_ieee_dot(query, k_cache),
+        INTERPRET=interpreted(),
     )
     return out

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.backends.triton.attn_tile import max_along, online_softmax_over_kv, sum_along
-from pagedkv.backends.triton.paged_attention import LOG2E, use_ieee_dot
+from pagedkv.backends.triton.attn_tile import interpreted, max_along, online_softmax_over_kv, sum_along
+from pagedkv.backends.triton.paged_attention import score_args, use_ieee_dot, window_arg
 
 
 @triton.jit
@@ -29,7 +29,9 @@ def _split_kv_partial_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    scale_log2e,
+    qk_scale,
+    cap_log2e,
+    window,
     split_len,
     stride_pos,
     stride_psp,
@@ -56,13 +58,16 @@ def _split_kv_partial_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_start = split * split_len
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the splits cover [lo, seq_len)
+    kv_start = lo + split * split_len
     if kv_start >= seq_len:
         return  # empty split: the reduce never reads it
     kv_end = tl.minimum(kv_start + split_len, seq_len)
@@ -87,8 +92,10 @@ def _split_kv_partial_kernel(
         acc,
         m_i,
         l_i,
-        scale_log2e,
+        qk_scale,
+        cap_log2e,
         q_pos,
+        window,
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -107,7 +114,9 @@ def _split_kv_partial_kernel(
         D_PAD,
         BLOCK_SIZE,
         TILE_N,
+        SOFTCAP,
         IEEE,
+        INTERPRET,
     )
     # A non-empty split always has visible keys, so l_i > 0 on every real row.
     seq64 = seq.to(tl.int64)
@@ -125,6 +134,7 @@ def _split_kv_reduce_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    window,
     split_len,
     num_splits,
     stride_ot,
@@ -144,7 +154,8 @@ def _split_kv_reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)  # splits past the history were never written
+    seen = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)  # keys the splits cover
+    used = tl.minimum((seen + split_len - 1) // split_len, num_splits)  # splits past the history were never written
 
     offs_s = tl.arange(0, SPLITS_PAD).to(tl.int64)
     offs_d = tl.arange(0, D_PAD).to(tl.int64)
@@ -197,8 +208,13 @@ def split_kv_decode(
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
     tile_n: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention (one query token per sequence) split over the key axis, then merged.
+
+    With a sliding ``window`` only the last ``window`` keys of each sequence are
+    split (``max_seq_len`` is capped to it); ``softcap`` caps the scores.
 
     ``part_out`` ``[S, num_splits, H, D]`` and ``part_lse`` ``[S, num_splits, H]``
     (fp32) are scratch; they are allocated when not given. Splits are
@@ -216,7 +232,9 @@ def split_kv_decode(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0 or max_seq_len == 0:
         return out
-    split_len, num_splits = split_layout(max_seq_len, num_splits, tile_n)
+    window = window_arg(window)
+    covered = min(max_seq_len, window) if window else max_seq_len
+    split_len, num_splits = split_layout(covered, num_splits, tile_n)
     tile_n = max(16, tile_n)
     if part_out is None:
         part_out = torch.empty((num_seqs, num_splits, num_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -228,6 +246,7 @@ def split_kv_decode(
     group = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
+    qk_scale, cap_log2e, use_softcap = score_args(scale, softcap)
     _split_kv_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_out,
         part_lse,
@@ -237,7 +256,9 @@ def split_kv_decode(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * LOG2E,
+        qk_scale,
+        cap_log2e,
+        window,
         split_len,
         *part_out.stride(),
         *part_lse.stride(),
@@ -251,7 +272,9 @@ def split_kv_decode(
         D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1],
         TILE_N=tile_n,
+        SOFTCAP=use_softcap,
         IEEE=use_ieee_dot(query, k_cache),
+        INTERPRET=interpreted(),
     )
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out,
@@ -259,6 +282,7 @@ def split_kv_decode(
         part_lse,
         seq_lens,
         query_start_loc,
+        window,
         split_len,
         num_splits,
         *out.stride(),
