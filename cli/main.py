@@ -124,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if not args.json:  # before the heavy imports, so the first line comes at once
-        what = args.model or "SmolLM2-135M-Instruct"
-        print(f"engine: loading {what} ({args.backend} backend, {args.device} device)...", file=sys.stderr, flush=True)
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
@@ -179,6 +176,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         n=args.n,
     )
+    if not args.json:  # the arguments are fine: say what the wait is for
+        what = args.model or "SmolLM2-135M-Instruct"
+        print(f"engine: loading {what} ({config.backend} backend, {config.device})...", file=sys.stderr, flush=True)
     engine = Engine(config)
     if not args.json:
         print(engine.capacity_line(), flush=True)

@@ -93,7 +93,7 @@ def test_prompt_logprobs_survive_chunked_prefill_prefix_caching_and_preemption(t
     assert llm.engine.stats.preemptions > 0  # 20 blocks of 4 cannot hold three 52-token requests
     for out in outs:
         check_request(tiny_llama, out, 1, 3)
-    assert llm.engine.pool.num_free + len(llm.engine.pool.kept) == llm.engine.num_blocks
+    assert llm.engine.pool.num_available == llm.engine.num_blocks
 
 
 def test_engine_run_flags_reach_sampling_and_json_shows_logprobs(smollm2_dir, capsys):
