@@ -40,6 +40,7 @@ def tiny_llama(seed: int = 0):
 
 def soak(requests: int, seed: int = 0, num_blocks: int = 48, block_size: int = 8) -> dict:
     from pagedkv import Engine, EngineConfig, SamplingParams
+    from pagedkv.core.invariants import check_invariants
 
     rng = random.Random(seed)
     config = EngineConfig(device="cpu", num_blocks=num_blocks, block_size=block_size, max_num_seqs=16,
@@ -65,7 +66,7 @@ def soak(requests: int, seed: int = 0, num_blocks: int = 48, block_size: int = 8
             victim = rng.choice(sorted(submitted - finished - aborted))
             engine.abort(victim)
             aborted.add(victim)
-    engine.check_invariants()
+    check_invariants(engine)
     swap = engine.pm.get_plugin("cpu_swap.instance")
     leaked = engine.num_blocks - engine.pool.num_available
     cpu_leaked = swap.cpu_pool.num_blocks - swap.cpu_pool.num_free if swap and swap.cpu_pool else 0

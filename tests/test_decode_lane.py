@@ -134,6 +134,31 @@ def test_lane_carries_most_decodes_and_cases_cover_preemption(case, monkeypatch)
         assert result["preemptions"] > 50
 
 
+@pytest.mark.parametrize("case", ["static baseline", "preempting, small budget", "poisson arrivals, chunked prefill"])
+def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch):
+    """The comparisons above must cover the event-driven paths: steps jumped over, and lane steps that preempt."""
+    from pagedkv.core.sim.lane_scheduler import DecodeLaneScheduling
+
+    counts = {"skipped": 0, "preempting": 0}
+    skip, preempting = SimEngine.skip, DecodeLaneScheduling._step_lane_preempting
+
+    def counting_skip(self, steps):
+        counts["skipped"] += steps
+        return skip(self, steps)
+
+    def counting_preempting(self, *args):
+        counts["preempting"] += 1
+        return preempting(self, *args)
+
+    monkeypatch.setattr(SimEngine, "skip", counting_skip)
+    monkeypatch.setattr(DecodeLaneScheduling, "_step_lane_preempting", counting_preempting)
+    name, n, rate, setup = CASES[case]
+    result = run_once(builtin_workload(name, n, seed=3, request_rate=rate), setup, series=False)
+    assert counts["skipped"] > (result["steps"] // 2 if case == "static baseline" else 0)
+    if case.startswith("preempting"):
+        assert counts["preempting"] > 10
+
+
 def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
     config = EngineConfig(device="cpu", num_blocks=64, block_size=4)
     assert sim(config).lane is not None

@@ -20,6 +20,7 @@ from typing import Any
 
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
+from pagedkv.core.sim.quiet_run import quiet_run
 from pagedkv.core.sim.step_time_model import StepTimeModel
 from pagedkv.core.sim.workload import Workload, synth_prompt
 from pagedkv.core.stats import summarize
@@ -184,7 +185,7 @@ def run_once(
         if quiet and i < n:  # stop before the step at which the next request arrives
             quiet = min(quiet, (reqs[i][1].arrival_step or 0) - step) if by_step else quiet
         if quiet > 0:
-            jump = _quiet_run(engine, step_time, quiet, now, None if by_step or i >= n else reqs[i][1].arrival)
+            jump = quiet_run(engine, step_time, quiet, now, None if by_step or i >= n else reqs[i][1].arrival)
             quiet = len(jump.t)
         if quiet > 0:
             engine.skip(quiet)
@@ -250,54 +251,6 @@ def run_once(
     if series:
         result["series"] = {"t": t_used, "blocks_used": used_series}
     return result
-
-
-@dataclass
-class _QuietRun:
-    """The clock over a run of quiet steps, computed as the one-by-one loop would, step by step.
-
-    Every quiet step has the same shape (no prefill, ``decodes`` lane members, each one token
-    further); ``t`` holds the clock after each step. The sums use sequential accumulation
-    (``numpy.cumsum``), so every float comes out bit for bit as the one-by-one loop's.
-    """
-
-    t: Any  # numpy float64 array
-    dts: Any
-    running: int
-    held0: int  # tokens held after the last real step
-    slots: int  # used blocks * block size
-
-    def running_time(self, start: float) -> float:
-        return float(_accumulate(start, self.running * self.dts))
-
-    def waste(self, start: float) -> float:
-        if not self.slots:
-            return start
-        import numpy as np
-
-        held = self.held0 + self.running * np.arange(1, len(self.t) + 1, dtype=np.int64)
-        return float(_accumulate(start, 1.0 - held / self.slots))
-
-
-def _accumulate(start: float, values: Any) -> float:
-    import numpy as np
-
-    return np.cumsum(np.concatenate(([start], values)))[-1]
-
-
-def _quiet_run(engine: Any, step_time: StepTimeModel, steps: int, now: float, arrival: float | None) -> _QuietRun:
-    """Up to ``steps`` quiet steps from ``now``, cut before the step at whose start ``arrival`` is due."""
-    import numpy as np
-
-    lane = engine.lane
-    members = len(lane.members)
-    context = lane.tokens() + members * np.arange(steps, dtype=np.int64)  # KV each step's decodes read
-    dts = step_time.step_seconds(0, members, context)
-    t = np.cumsum(np.concatenate(([now], dts)))
-    if arrival is not None:  # the one-by-one loop adds a request before the first step starting at/after it
-        steps = int(np.searchsorted(t[:-1], arrival, side="left"))
-    slots = engine.pool.num_used * engine.config.block_size
-    return _QuietRun(t[1 : steps + 1], dts[:steps], len(engine.scheduler.running), engine.tokens_held(), slots)
 
 
 def _labelled(progress: Callable[[str, int, int], None] | None, label: str) -> Callable[[int, int], None] | None:
