@@ -9,6 +9,8 @@ engine then reports outputs and events.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ class Engine:
         tokenizer: Any = None,
         plugins: tuple[Any, ...] = (),
         runner: Runner | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
@@ -107,6 +110,7 @@ class Engine:
         self.runner = runner
         self.sampler = Sampler(config.seed)
         self.stats = RunStats()
+        self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()  # request ids 0, 1, 2, ...

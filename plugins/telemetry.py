@@ -81,7 +81,7 @@ class Telemetry:
         self.seq = 0
         self.step = 0
         self.closed = False
-        self._t0 = time.monotonic()
+        self._t0 = 0.0  # the clock's reading at start (set when the engine starts)
         self._hello: bytes = b""
         self._keyframe: bytes = b""
         self._backlog: list[bytes] = []  # deltas since the keyframe
@@ -89,6 +89,7 @@ class Telemetry:
         self._counters = {"cow": 0, "swap_out": 0, "swap_in": 0, "evicted": 0}  # blocks, from events
         self._last_step_t = self._t0
         self._lock: Any = None
+        self._clock: Any = time.monotonic
 
     # --- hooks -------------------------------------------------------------------------------------
 
@@ -98,10 +99,12 @@ class Telemetry:
 
         self.engine = engine
         self.view = engine.kv_view()
+        self._clock = engine.clock  # wall time, or a simulator's simulated seconds
+        self._t0 = self._last_step_t = self._clock()
         self._lock = threading.Lock()
         self._hello = encode(self._hello_message())
         self._keyframe = encode(self._snapshot_message())
-        self._keyframe_at = (self.step, time.monotonic())
+        self._keyframe_at = (self.step, self._clock())
         if self.trace_file is not None:
             self.trace = self.trace_file.open()  # a temporary file: the user's file is replaced only once we run
             self.trace.write(self._hello + self._keyframe)
@@ -142,7 +145,7 @@ class Telemetry:
         for ev in events:
             self._count(ev.kind, ev.data)
             encoded.append([ev.kind, ev.data])
-        now = time.monotonic()
+        now = self._clock()
         stats = self._stats(now)
         stats["step_ms"] = round((now - self._last_step_t) * 1000.0, 2)
         self._last_step_t = now
@@ -195,7 +198,7 @@ class Telemetry:
     # --- messages ----------------------------------------------------------------------------------
 
     def _now(self, now: float | None = None) -> float:
-        return (now if now is not None else time.monotonic()) - self._t0
+        return (now if now is not None else self._clock()) - self._t0
 
     def _hello_message(self) -> dict:
         engine, config = self.engine, self.config
@@ -226,7 +229,7 @@ class Telemetry:
         return message(
             "snapshot", self.seq, self._now(now), step=self.step, num_blocks=view.num_blocks,
             block_size=self.config.block_size, refs=view.ref_counts(), kept=sorted(view.cached_blocks()),
-            requests=requests, stats=self._stats(now if now is not None else time.monotonic()),
+            requests=requests, stats=self._stats(now if now is not None else self._clock()),
         )
 
     def _stats(self, now: float) -> dict:

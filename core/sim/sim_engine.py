@@ -11,6 +11,7 @@ block boundary, fills a block, finishes, is admitted or preempted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pagedkv.core.config import EngineConfig
@@ -31,9 +32,10 @@ class SimEngine(Engine):
         runner: SimulatedRunner,
         plugins: tuple[Any, ...] = (),
         decode_lane: bool = True,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._lane_wanted = decode_lane
-        super().__init__(config, plugins=plugins, runner=runner)
+        super().__init__(config, plugins=plugins, runner=runner, clock=clock)
         self.lane: DecodeLane | None = getattr(self.scheduler, "lane", None)
 
     def _make_scheduler(self, entry: Any, hooks: Any) -> Any:

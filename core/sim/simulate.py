@@ -98,8 +98,10 @@ def run_once(
     from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
     runner = SimulatedRunner(setup.model_config)
+    now = 0.0  # simulated seconds; telemetry stamps them, so a replay's --speed is relative to the simulated run
     try:
-        engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane)
+        engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane,
+                           clock=lambda: now)
     except ConfigError as exc:
         raise SimulationError(f"{exc} (setting: {_budget_text(setup)})") from None
     _check_fits(workload, engine, setup)
