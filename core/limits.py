@@ -14,7 +14,7 @@ from pagedkv.core.errors import ConfigError
 
 # name -> (environment variable, default, what it bounds)
 CAPS: dict[str, tuple[str, int, str]] = {
-    "samples": ("PAGEDKV_MAX_SAMPLES", 1024, "samples per request (n)"),
+    "samples": ("PAGEDKV_MAX_SAMPLES", 128, "samples per request (n; OpenAI's cap)"),
     "requests": ("PAGEDKV_MAX_REQUESTS", 2_000_000, "requests in one simulated workload"),
     "blocks": ("PAGEDKV_MAX_BLOCKS", 1 << 24, "KV blocks in one pool"),
     "trace_bytes": ("PAGEDKV_MAX_TRACE_BYTES", 4 << 30, "bytes of a trace read into memory"),

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
+from pagedkv.core.limits import check_cap
 
-MAX_N = 128  # OpenAI's cap on samples per request
 MAX_TOKENS_LIMIT = 1 << 20  # far beyond any context window; stops a typo from meaning "forever"
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs and OpenAI's top_logprobs cap
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -63,7 +63,7 @@ class SamplingParams:
         100k requests: the field-by-field checks with their messages run only when this says no)."""
         n, seed, temperature = self.n, self.seed, self.temperature
         return (
-            type(n) is int and 1 <= n <= MAX_N
+            type(n) is int and 1 <= n <= 8  # (larger n: checked against the configurable cap below)
             and type(self.max_tokens) is int and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT
             and type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens
             and type(temperature) is float and (temperature == 0.0 or MIN_TEMPERATURE <= temperature < math.inf)
@@ -82,7 +82,7 @@ class SamplingParams:
         )
 
     def _check(self) -> None:
-        self.n = _count("n", self.n, 1, MAX_N)
+        self.n = check_cap("samples", _count("n", self.n, 1, None), "n", RequestRejected)
         self.max_tokens = _count("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         self.min_tokens = _count("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.temperature = _real("temperature", self.temperature, low=0.0)

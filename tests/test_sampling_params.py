@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.errors import RequestRejected
-from pagedkv.core.sampling_params import MAX_N, MAX_SEED, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+from pagedkv.core.sampling_params import MAX_SEED, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 
 NAN, INF = float("nan"), float("inf")
 
@@ -18,7 +18,7 @@ BAD = [
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", INF),
     ("presence_penalty", 2.5), ("presence_penalty", NAN), ("frequency_penalty", -2.5), ("frequency_penalty", INF),
     ("seed", -1), ("seed", MAX_SEED + 1), ("seed", 1.0), ("seed", True), ("seed", "7"),
-    ("n", 0), ("n", MAX_N + 1), ("n", 10**9), ("n", 2.0), ("n", True),
+    ("n", 0), ("n", 129), ("n", 10**9), ("n", 2.0), ("n", True),
     ("max_tokens", 0), ("max_tokens", MAX_TOKENS_LIMIT + 1), ("max_tokens", 1.5), ("max_tokens", None),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", False),
     ("stop", [""]), ("stop", [1]), ("stop", 5),
