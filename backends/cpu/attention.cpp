@@ -1,0 +1,302 @@
+// Paged attention for the CPU: reads K/V in place through the block table.
+//
+// One work unit = (sequence, KV head, tile of query tokens). A unit holds every
+// query head of its GQA group for every token of its tile, so each K/V row is
+// read once per group and used by all of them. It walks the sequence's blocks
+// through the block table with an online (flash) softmax, in fp32, whatever the
+// cache dtype. Units are spread over OpenMP threads (dynamic: causal prefill
+// units differ in size). Plain C interface, called through ctypes.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 2^x for x <= 0, written with arithmetic and bit operations only so that loops
+// over it vectorize: x = n + f with |f| <= 0.5, 2^f by its Taylor series in
+// f*ln2 to degree 6 (relative error ~1e-7), 2^n through the exponent bits.
+inline float exp2_neg(float x) {
+  x = std::max(x, -126.0f);
+  const float n = std::nearbyint(x);
+  const float r = (x - n) * kLn2;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Params {
+  int dtype;  // 0 = float32, 1 = bfloat16 (query, caches and output)
+  const void* q;
+  int64_t q_tok_stride, q_head_stride;  // in elements; head_dim is contiguous
+  const void* k_cache;
+  const void* v_cache;
+  void* out;  // [T, H, D] contiguous
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int window;  // 0 = off; else keys with pos > q_pos - window
+  float softcap;  // 0 = off
+};
+
+struct Unit {
+  int seq, kv_head, t0, t1;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, s, row_max, row_sum, k, v, kt;
+};
+
+template <typename T>
+inline float to_float(T x);
+template <>
+inline float to_float<float>(float x) { return x; }
+template <>
+inline float to_float<uint16_t>(uint16_t x) { return bf16_to_float(x); }
+
+// scores[m][j] = q[m] . k[j] for M query rows and nk key rows (stride ks).
+template <int DT>
+void scores_dot(const float* q, int M, int d_rt, const float* k, int64_t ks, int nk, float* s) {
+  const int d = DT ? DT : d_rt;
+  for (int j = 0; j < nk; ++j) {
+    const float* kr = k + j * ks;
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + static_cast<int64_t>(m) * d;
+      float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+      for (int x = 0; x < d; ++x) a += qm[x] * kr[x];
+      s[m * nk + j] = a;
+    }
+  }
+}
+
+// The same through a transposed copy of the K block, vectorized over keys: worth
+// the transpose once many query rows share the block (prefill).
+template <int DT>
+void scores_transposed(const float* q, int M, int d_rt, const float* k, int64_t ks, int nk, float* s, float* kt) {
+  const int d = DT ? DT : d_rt;
+  for (int j = 0; j < nk; ++j)
+    for (int x = 0; x < d; ++x) kt[x * nk + j] = k[j * ks + x];
+  for (int m = 0; m < M; ++m) {
+    const float* qm = q + static_cast<int64_t>(m) * d;
+    float* sm = s + m * nk;
+#pragma omp simd
+    for (int j = 0; j < nk; ++j) sm[j] = 0.0f;
+    for (int x = 0; x < d; ++x) {
+      const float qx = qm[x];
+      const float* kx = kt + x * nk;
+#pragma omp simd
+      for (int j = 0; j < nk; ++j) sm[j] += qx * kx[j];
+    }
+  }
+}
+
+template <typename T, int DT>
+void run_unit(const Params& p, const Unit& u, Scratch& w) {
+  const int d = DT ? DT : p.head_dim;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int bs = p.block_size;
+  const int nt = u.t1 - u.t0;
+  const int M = nt * G;  // row m = token (m / G), head (m % G) of the group
+  const int ctx = p.context_lens[u.seq];
+  const int qs = p.query_start_loc[u.seq];
+  const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
+  const bool capped = p.softcap > 0.0f;
+  const float qscale = capped ? p.scale : p.scale * kLog2e;
+
+  w.q.resize(static_cast<size_t>(M) * d);
+  w.acc.assign(static_cast<size_t>(M) * d, 0.0f);
+  w.s.resize(static_cast<size_t>(M) * bs);
+  w.row_max.assign(M, -INFINITY);
+  w.row_sum.assign(M, 0.0f);
+  if (sizeof(T) != sizeof(float)) {
+    w.k.resize(static_cast<size_t>(bs) * d);
+    w.v.resize(static_cast<size_t>(bs) * d);
+  }
+  w.kt.resize(static_cast<size_t>(bs) * d);
+
+  const T* qbase = static_cast<const T*>(p.q);
+  for (int m = 0; m < M; ++m) {
+    const int t = u.t0 + m / G, h = u.kv_head * G + m % G;
+    const T* src = qbase + (qs + t) * p.q_tok_stride + h * p.q_head_stride;
+    float* dst = w.q.data() + static_cast<int64_t>(m) * d;
+    for (int x = 0; x < d; ++x) dst[x] = to_float<T>(src[x]) * qscale;
+  }
+
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * d;  // between tokens of one block
+  const int64_t block_stride = row_stride * bs;
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int k_hi = ctx + u.t1;  // keys [k_lo, k_hi) are visible to some row of the tile
+  const int k_lo = p.window > 0 ? std::max(0, ctx + u.t0 - p.window + 1) : 0;
+
+  for (int b = k_lo / bs; b * bs < k_hi; ++b) {
+    const int kb0 = b * bs;
+    const int nk = std::min(bs, k_hi - kb0);
+    const int64_t off = static_cast<int64_t>(table[b]) * block_stride + static_cast<int64_t>(u.kv_head) * d;
+    const float* kp;
+    const float* vp;
+    int64_t ks;
+    if constexpr (sizeof(T) == sizeof(float)) {
+      kp = reinterpret_cast<const float*>(kc + off);
+      vp = reinterpret_cast<const float*>(vc + off);
+      ks = row_stride;
+    } else {
+      for (int j = 0; j < nk; ++j) {
+        const T* kr = kc + off + j * row_stride;
+        const T* vr = vc + off + j * row_stride;
+        float* kd = w.k.data() + static_cast<int64_t>(j) * d;
+        float* vd = w.v.data() + static_cast<int64_t>(j) * d;
+#pragma omp simd
+        for (int x = 0; x < d; ++x) {
+          kd[x] = to_float<T>(kr[x]);
+          vd[x] = to_float<T>(vr[x]);
+        }
+      }
+      kp = w.k.data();
+      vp = w.v.data();
+      ks = d;
+    }
+    float* s = w.s.data();
+    if (M >= 8)
+      scores_transposed<DT>(w.q.data(), M, d, kp, ks, nk, s, w.kt.data());
+    else
+      scores_dot<DT>(w.q.data(), M, d, kp, ks, nk, s);
+
+    for (int m = 0; m < M; ++m) {
+      const int pos = ctx + u.t0 + m / G;
+      const int j_end = std::min(nk, pos - kb0 + 1);  // causal
+      const int j_begin = p.window > 0 ? std::max(0, pos - p.window + 1 - kb0) : 0;
+      if (j_begin >= j_end) continue;
+      float* sm = s + m * nk;
+      if (capped) {
+        for (int j = j_begin; j < j_end; ++j) sm[j] = p.softcap * std::tanh(sm[j] / p.softcap) * kLog2e;
+      }
+      float bmax = -INFINITY;
+      for (int j = j_begin; j < j_end; ++j) bmax = std::max(bmax, sm[j]);
+      const float old_max = w.row_max[m];
+      const float new_max = std::max(old_max, bmax);
+      const float alpha = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = j_begin; j < j_end; ++j) {
+        const float e = exp2_neg(sm[j] - new_max);
+        sm[j] = e;
+        sum += e;
+      }
+      w.row_max[m] = new_max;
+      w.row_sum[m] = w.row_sum[m] * alpha + sum;
+      float* am = w.acc.data() + static_cast<int64_t>(m) * d;
+      if (alpha != 1.0f) {
+#pragma omp simd
+        for (int x = 0; x < d; ++x) am[x] *= alpha;
+      }
+      for (int j = j_begin; j < j_end; ++j) {
+        const float pj = sm[j];
+        const float* vr = vp + j * ks;
+#pragma omp simd
+        for (int x = 0; x < d; ++x) am[x] += pj * vr[x];
+      }
+    }
+  }
+
+  T* obase = static_cast<T*>(p.out);
+  for (int m = 0; m < M; ++m) {
+    const int t = u.t0 + m / G, h = u.kv_head * G + m % G;
+    T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * d;
+    const float* am = w.acc.data() + static_cast<int64_t>(m) * d;
+    const float inv = w.row_sum[m] > 0.0f ? 1.0f / w.row_sum[m] : 0.0f;
+    for (int x = 0; x < d; ++x) {
+      const float o = am[x] * inv;
+      if constexpr (sizeof(T) == sizeof(float))
+        dst[x] = o;
+      else
+        dst[x] = float_to_bf16(o);
+    }
+  }
+}
+
+template <typename T, int DT>
+void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
+  const int n = static_cast<int>(units.size());
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) run_unit<T, DT>(p, units[i], w);
+  }
+}
+
+template <typename T>
+void dispatch_dim(const Params& p, const std::vector<Unit>& units, int threads) {
+  switch (p.head_dim) {
+    case 64: run_all<T, 64>(p, units, threads); break;
+    case 128: run_all<T, 128>(p, units, threads); break;
+    case 32: run_all<T, 32>(p, units, threads); break;
+    case 256: run_all<T, 256>(p, units, threads); break;
+    default: run_all<T, 0>(p, units, threads); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, nonzero for arguments the kernel does not handle.
+int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_cache,
+                       const void* v_cache, void* out, const int32_t* block_tables, int64_t bt_stride,
+                       const int32_t* context_lens, const int32_t* query_start_loc, int num_seqs, int num_heads,
+                       int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,
+                       int query_tile, int threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
+  if (dtype != 0 && dtype != 1) return 2;
+  Params p{dtype, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
+           context_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+           scale, window, softcap};
+  const int tile = std::max(1, query_tile);
+  std::vector<Unit> units;
+  units.reserve(static_cast<size_t>(num_seqs) * num_kv_heads);
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = query_start_loc[s + 1] - query_start_loc[s];
+    for (int t0 = 0; t0 < len; t0 += tile)
+      for (int h = 0; h < num_kv_heads; ++h) units.push_back({s, h, t0, std::min(len, t0 + tile)});
+  }
+  if (dtype == 0)
+    dispatch_dim<float>(p, units, std::max(1, threads));
+  else
+    dispatch_dim<uint16_t>(p, units, std::max(1, threads));
+  return 0;
+}
+
+}  // extern "C"
