@@ -71,8 +71,19 @@ struct Params {
 };
 
 struct Unit {
-  int seq, kv_head, t0, t1;
+  int seq, t0, t1, h0, h1;  // query tokens [t0, t1) of one sequence, KV heads [h0, h1)
 };
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Scratch {
   std::vector<float> q, acc, s, row_max, row_sum, k, v, kt;
@@ -85,40 +96,88 @@ inline float to_float<float>(float x) { return x; }
 template <>
 inline float to_float<uint16_t>(uint16_t x) { return bf16_to_float(x); }
 
-// scores[m][j] = q[m] . k[j] for M query rows and nk key rows (stride ks).
+// Keys are taken in chunks of up to kChunk rows that may span several blocks, so the
+// softmax bookkeeping (max, rescale) is paid once per chunk whatever the block size.
+constexpr int kChunk = 64;
+
+// scores[m][j] = q[m] . k[j] for M query rows and n key rows.
 template <int DT>
-void scores_dot(const float* q, int M, int d_rt, const float* k, int64_t ks, int nk, float* s) {
+void scores_dot(const float* q, int M, int d_rt, const float* const* k, int n, float* s) {
   const int d = DT ? DT : d_rt;
-  for (int j = 0; j < nk; ++j) {
-    const float* kr = k + j * ks;
+  for (int j = 0; j < n; ++j) {
+    const float* kr = k[j];
     for (int m = 0; m < M; ++m) {
       const float* qm = q + static_cast<int64_t>(m) * d;
       float a = 0.0f;
 #pragma omp simd reduction(+ : a)
       for (int x = 0; x < d; ++x) a += qm[x] * kr[x];
-      s[m * nk + j] = a;
+      s[m * kChunk + j] = a;
     }
   }
 }
 
-// The same through a transposed copy of the K block, vectorized over keys: worth
-// the transpose once many query rows share the block (prefill).
+// The same through a transposed copy of the chunk, vectorized over keys: worth the
+// transpose once many query rows share the chunk (prefill).
 template <int DT>
-void scores_transposed(const float* q, int M, int d_rt, const float* k, int64_t ks, int nk, float* s, float* kt) {
+void scores_transposed(const float* q, int M, int d_rt, const float* const* k, int n, float* s, float* kt) {
   const int d = DT ? DT : d_rt;
-  for (int j = 0; j < nk; ++j)
-    for (int x = 0; x < d; ++x) kt[x * nk + j] = k[j * ks + x];
+  for (int j = 0; j < n; ++j)
+    for (int x = 0; x < d; ++x) kt[x * kChunk + j] = k[j][x];
   for (int m = 0; m < M; ++m) {
     const float* qm = q + static_cast<int64_t>(m) * d;
-    float* sm = s + m * nk;
+    float* sm = s + m * kChunk;
 #pragma omp simd
-    for (int j = 0; j < nk; ++j) sm[j] = 0.0f;
+    for (int j = 0; j < kChunk; ++j) sm[j] = 0.0f;
     for (int x = 0; x < d; ++x) {
       const float qx = qm[x];
-      const float* kx = kt + x * nk;
+      const float* kx = kt + x * kChunk;
 #pragma omp simd
-      for (int j = 0; j < nk; ++j) sm[j] += qx * kx[j];
+      for (int j = 0; j < kChunk; ++j) sm[j] += qx * kx[j];
     }
+  }
+}
+
+// acc[x] = acc[x] * alpha + sum_j p[j] * v[j][x] for x < d, j in [j0, j1).
+template <int DT>
+inline void accumulate_pv(float* am, float alpha, const float* pr, const float* const* v, int j0, int j1, int d_rt) {
+  if constexpr (DT > 0 && DT % kLanes == 0) {
+    // The accumulator stays in registers across the chunk (GCC vector extensions:
+    // AVX-512, AVX2 or SSE, whatever -march gives).
+    constexpr int NV = DT / kLanes;
+    vfloat a[NV];
+    for (int i = 0; i < NV; ++i) a[i] = load(am + i * kLanes) * alpha;
+    for (int j = j0; j < j1; ++j) {
+      const float pj = pr[j];
+      const float* vr = v[j];
+      for (int i = 0; i < NV; ++i) a[i] += pj * load(vr + i * kLanes);
+    }
+    for (int i = 0; i < NV; ++i) store(am + i * kLanes, a[i]);
+  } else {
+    const int d = DT ? DT : d_rt;
+    for (int x = 0; x < d; ++x) am[x] *= alpha;
+    for (int j = j0; j < j1; ++j) {
+      const float pj = pr[j];
+      const float* vr = v[j];
+#pragma omp simd
+      for (int x = 0; x < d; ++x) am[x] += pj * vr[x];
+    }
+  }
+}
+
+// Element offsets of key rows [c0, c0 + n) of a sequence (head 0), through its block table.
+inline void row_offsets(const int32_t* table, int c0, int n, int bs, int64_t block_stride, int64_t row_stride,
+                        int64_t* off) {
+  for (int j = 0; j < n; ++j) {
+    const int pos = c0 + j;
+    off[j] = static_cast<int64_t>(table[pos / bs]) * block_stride + static_cast<int64_t>(pos % bs) * row_stride;
+  }
+}
+
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* off, int n, int64_t bytes) {
+  for (int j = 0; j < n; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + off[j]);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(r + c, 0, 1);
   }
 }
 
@@ -128,115 +187,121 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   const int G = p.num_heads / p.num_kv_heads;
   const int bs = p.block_size;
   const int nt = u.t1 - u.t0;
-  const int M = nt * G;  // row m = token (m / G), head (m % G) of the group
+  const int M = nt * G;  // rows per KV head: row m = token (m / G), query head (m % G) of the group
+  const int nh = u.h1 - u.h0;
   const int ctx = p.context_lens[u.seq];
   const int qs = p.query_start_loc[u.seq];
   const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
   const bool capped = p.softcap > 0.0f;
   const float qscale = capped ? p.scale : p.scale * kLog2e;
 
-  w.q.resize(static_cast<size_t>(M) * d);
-  w.acc.assign(static_cast<size_t>(M) * d, 0.0f);
-  w.s.resize(static_cast<size_t>(M) * bs);
-  w.row_max.assign(M, -INFINITY);
-  w.row_sum.assign(M, 0.0f);
+  w.q.resize(static_cast<size_t>(nh) * M * d);
+  w.acc.assign(static_cast<size_t>(nh) * M * d, 0.0f);
+  w.s.resize(static_cast<size_t>(M) * kChunk);
+  w.row_max.assign(static_cast<size_t>(nh) * M, -INFINITY);
+  w.row_sum.assign(static_cast<size_t>(nh) * M, 0.0f);
   if (sizeof(T) != sizeof(float)) {
-    w.k.resize(static_cast<size_t>(bs) * d);
-    w.v.resize(static_cast<size_t>(bs) * d);
+    w.k.resize(static_cast<size_t>(kChunk) * d);
+    w.v.resize(static_cast<size_t>(kChunk) * d);
   }
-  w.kt.resize(static_cast<size_t>(bs) * d);
+  w.kt.resize(static_cast<size_t>(kChunk) * d);
 
   const T* qbase = static_cast<const T*>(p.q);
-  for (int m = 0; m < M; ++m) {
-    const int t = u.t0 + m / G, h = u.kv_head * G + m % G;
+  for (int r = 0; r < nh * M; ++r) {
+    const int m = r % M;
+    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
     const T* src = qbase + (qs + t) * p.q_tok_stride + h * p.q_head_stride;
-    float* dst = w.q.data() + static_cast<int64_t>(m) * d;
+    float* dst = w.q.data() + static_cast<int64_t>(r) * d;
     for (int x = 0; x < d; ++x) dst[x] = to_float<T>(src[x]) * qscale;
   }
 
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * d;  // between tokens of one block
   const int64_t block_stride = row_stride * bs;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const int64_t span_bytes = static_cast<int64_t>(nh) * d * sizeof(T);  // this unit's heads in one row
+  const T* kc = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * d;
+  const T* vc = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(u.h0) * d;
   const int k_hi = ctx + u.t1;  // keys [k_lo, k_hi) are visible to some row of the tile
   const int k_lo = p.window > 0 ? std::max(0, ctx + u.t0 - p.window + 1) : 0;
 
-  for (int b = k_lo / bs; b * bs < k_hi; ++b) {
-    const int kb0 = b * bs;
-    const int nk = std::min(bs, k_hi - kb0);
-    const int64_t off = static_cast<int64_t>(table[b]) * block_stride + static_cast<int64_t>(u.kv_head) * d;
-    const float* kp;
-    const float* vp;
-    int64_t ks;
-    if constexpr (sizeof(T) == sizeof(float)) {
-      kp = reinterpret_cast<const float*>(kc + off);
-      vp = reinterpret_cast<const float*>(vc + off);
-      ks = row_stride;
-    } else {
-      for (int j = 0; j < nk; ++j) {
-        const T* kr = kc + off + j * row_stride;
-        const T* vr = vc + off + j * row_stride;
-        float* kd = w.k.data() + static_cast<int64_t>(j) * d;
-        float* vd = w.v.data() + static_cast<int64_t>(j) * d;
+  int64_t off[2][kChunk];
+  const float* krow[kChunk];
+  const float* vrow[kChunk];
+  int cur = 0;
+  row_offsets(table, k_lo, std::min(kChunk, k_hi - k_lo), bs, block_stride, row_stride, off[cur]);
+  for (int c0 = k_lo; c0 < k_hi; c0 += kChunk, cur ^= 1) {
+    const int n = std::min(kChunk, k_hi - c0);
+    if (c0 + kChunk < k_hi) {  // blocks sit anywhere in the pool: fetch the next chunk while this one is computed
+      const int n_next = std::min(kChunk, k_hi - c0 - kChunk);
+      row_offsets(table, c0 + kChunk, n_next, bs, block_stride, row_stride, off[cur ^ 1]);
+      prefetch_rows(kc, off[cur ^ 1], n_next, span_bytes);
+      prefetch_rows(vc, off[cur ^ 1], n_next, span_bytes);
+    }
+    for (int hh = 0; hh < nh; ++hh) {
+      const int64_t head = static_cast<int64_t>(hh) * d;
+      if constexpr (sizeof(T) == sizeof(float)) {
+        for (int j = 0; j < n; ++j) {
+          krow[j] = reinterpret_cast<const float*>(kc + off[cur][j] + head);
+          vrow[j] = reinterpret_cast<const float*>(vc + off[cur][j] + head);
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          const T* kr = kc + off[cur][j] + head;
+          const T* vr = vc + off[cur][j] + head;
+          float* kd = w.k.data() + static_cast<int64_t>(j) * d;
+          float* vd = w.v.data() + static_cast<int64_t>(j) * d;
 #pragma omp simd
-        for (int x = 0; x < d; ++x) {
-          kd[x] = to_float<T>(kr[x]);
-          vd[x] = to_float<T>(vr[x]);
+          for (int x = 0; x < d; ++x) {
+            kd[x] = to_float<T>(kr[x]);
+            vd[x] = to_float<T>(vr[x]);
+          }
+          krow[j] = kd;
+          vrow[j] = vd;
         }
       }
-      kp = w.k.data();
-      vp = w.v.data();
-      ks = d;
-    }
-    float* s = w.s.data();
-    if (M >= 8)
-      scores_transposed<DT>(w.q.data(), M, d, kp, ks, nk, s, w.kt.data());
-    else
-      scores_dot<DT>(w.q.data(), M, d, kp, ks, nk, s);
+      const float* qh = w.q.data() + static_cast<int64_t>(hh) * M * d;
+      float* s = w.s.data();
+      if (M >= 8)
+        scores_transposed<DT>(qh, M, d, krow, n, s, w.kt.data());
+      else
+        scores_dot<DT>(qh, M, d, krow, n, s);
 
-    for (int m = 0; m < M; ++m) {
-      const int pos = ctx + u.t0 + m / G;
-      const int j_end = std::min(nk, pos - kb0 + 1);  // causal
-      const int j_begin = p.window > 0 ? std::max(0, pos - p.window + 1 - kb0) : 0;
-      if (j_begin >= j_end) continue;
-      float* sm = s + m * nk;
-      if (capped) {
-        for (int j = j_begin; j < j_end; ++j) sm[j] = p.softcap * std::tanh(sm[j] / p.softcap) * kLog2e;
-      }
-      float bmax = -INFINITY;
-      for (int j = j_begin; j < j_end; ++j) bmax = std::max(bmax, sm[j]);
-      const float old_max = w.row_max[m];
-      const float new_max = std::max(old_max, bmax);
-      const float alpha = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
-      float sum = 0.0f;
+      for (int m = 0; m < M; ++m) {
+        const int pos = ctx + u.t0 + m / G;
+        const int j_end = std::min(n, pos - c0 + 1);  // causal
+        const int j_begin = p.window > 0 ? std::max(0, pos - p.window + 1 - c0) : 0;
+        if (j_begin >= j_end) continue;
+        float* sm = s + m * kChunk;
+        if (capped) {
+          for (int j = j_begin; j < j_end; ++j) sm[j] = p.softcap * std::tanh(sm[j] / p.softcap) * kLog2e;
+        }
+        float bmax = -INFINITY;
+#pragma omp simd reduction(max : bmax)
+        for (int j = j_begin; j < j_end; ++j) bmax = std::max(bmax, sm[j]);
+        const int r = hh * M + m;
+        const float old_max = w.row_max[r];
+        const float new_max = std::max(old_max, bmax);
+        const float alpha = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = j_begin; j < j_end; ++j) {
-        const float e = exp2_neg(sm[j] - new_max);
-        sm[j] = e;
-        sum += e;
-      }
-      w.row_max[m] = new_max;
-      w.row_sum[m] = w.row_sum[m] * alpha + sum;
-      float* am = w.acc.data() + static_cast<int64_t>(m) * d;
-      if (alpha != 1.0f) {
-#pragma omp simd
-        for (int x = 0; x < d; ++x) am[x] *= alpha;
-      }
-      for (int j = j_begin; j < j_end; ++j) {
-        const float pj = sm[j];
-        const float* vr = vp + j * ks;
-#pragma omp simd
-        for (int x = 0; x < d; ++x) am[x] += pj * vr[x];
+        for (int j = j_begin; j < j_end; ++j) {
+          const float e = exp2_neg(sm[j] - new_max);
+          sm[j] = e;
+          sum += e;
+        }
+        w.row_max[r] = new_max;
+        w.row_sum[r] = w.row_sum[r] * alpha + sum;
+        accumulate_pv<DT>(w.acc.data() + static_cast<int64_t>(r) * d, alpha, sm, vrow, j_begin, j_end, d);
       }
     }
   }
 
   T* obase = static_cast<T*>(p.out);
-  for (int m = 0; m < M; ++m) {
-    const int t = u.t0 + m / G, h = u.kv_head * G + m % G;
+  for (int r = 0; r < nh * M; ++r) {
+    const int m = r % M;
+    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
     T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * d;
-    const float* am = w.acc.data() + static_cast<int64_t>(m) * d;
-    const float inv = w.row_sum[m] > 0.0f ? 1.0f / w.row_sum[m] : 0.0f;
+    const float* am = w.acc.data() + static_cast<int64_t>(r) * d;
+    const float inv = w.row_sum[r] > 0.0f ? 1.0f / w.row_sum[r] : 0.0f;
     for (int x = 0; x < d; ++x) {
       const float o = am[x] * inv;
       if constexpr (sizeof(T) == sizeof(float))
@@ -285,17 +350,25 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
            context_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
            scale, window, softcap};
   const int tile = std::max(1, query_tile);
+  threads = std::max(1, threads);
+  // A unit takes every KV head of its tokens, so it reads each block as one contiguous
+  // stretch; heads are split apart only when there are too few units to go round.
+  int tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+  const int head_split = tiles >= 4 * threads ? 1 : num_kv_heads;
   std::vector<Unit> units;
-  units.reserve(static_cast<size_t>(num_seqs) * num_kv_heads);
+  units.reserve(static_cast<size_t>(tiles) * head_split);
   for (int s = 0; s < num_seqs; ++s) {
     const int len = query_start_loc[s + 1] - query_start_loc[s];
     for (int t0 = 0; t0 < len; t0 += tile)
-      for (int h = 0; h < num_kv_heads; ++h) units.push_back({s, h, t0, std::min(len, t0 + tile)});
+      for (int part = 0; part < head_split; ++part)
+        units.push_back({s, t0, std::min(len, t0 + tile), part * num_kv_heads / head_split,
+                         (part + 1) * num_kv_heads / head_split});
   }
   if (dtype == 0)
-    dispatch_dim<float>(p, units, std::max(1, threads));
+    dispatch_dim<float>(p, units, threads);
   else
-    dispatch_dim<uint16_t>(p, units, std::max(1, threads));
+    dispatch_dim<uint16_t>(p, units, threads);
   return 0;
 }
 
