@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary")
     run.add_argument("--model", default=None, help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
-    run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
+    run.add_argument("--backend", default="auto",
+                     help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
     run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
     run.add_argument("--block-size", type=int, default=16)
     budget = run.add_mutually_exclusive_group()

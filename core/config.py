@@ -60,7 +60,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    backend: str = "torch"
+    backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
     allocator: str = "paged"
     scheduler: str = "fcfs"
     block_size: int = 16

@@ -62,6 +62,8 @@ class Engine:
         backends = build_registry(self.pm, "backend", "pagedkv_register_backends")
         allocators = build_registry(self.pm, "allocator", "pagedkv_register_allocators")
         schedulers = build_registry(self.pm, "scheduler", "pagedkv_register_schedulers")
+        if config.backend == "auto":  # the compiled CPU kernel on CPU (it falls back to torch without g++)
+            config.backend = "cpu" if config.device == "cpu" and "cpu" in backends.names() else "torch"
         backend_entry = backends.get(config.backend)  # fail on a bad name before loading anything
         allocator_entry = allocators.get(config.allocator)
         scheduler_entry = schedulers.get(config.scheduler)

@@ -220,3 +220,9 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2):
     llm = LLM(hf_model=model, tokenizer=tokenizer, device="cpu", backend="cpu", block_size=16, num_blocks=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
+
+
+def test_auto_backend_is_the_compiled_kernel_on_cpu(backend, tiny_llama):
+    llm = LLM(hf_model=tiny_llama, device="cpu", num_blocks=16)
+    assert llm.engine.config.backend == "cpu" and llm.engine.backend.name == "cpu"
+    assert LLM(hf_model=tiny_llama, device="cpu", num_blocks=16, backend="torch").engine.backend.name == "torch"
