@@ -116,6 +116,53 @@ void scores_dot(const float* q, int M, int d_rt, const float* const* k, int n, f
   }
 }
 
+// Sixteen dot products at once, for head dims that are whole vectors: the partial
+// vectors of 16 keys are summed by a shuffle tree into one vector of 16 scores
+// (a horizontal sum per key is a chain of dependent scalar adds).
+inline vfloat sum_lanes_of_16(const vfloat* v) {
+  vfloat w1[8], w2[4], w3[2];
+  for (int i = 0; i < 8; ++i)
+    w1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 4; ++i)
+    w2[i] = __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 2; ++i)
+    w3[i] = __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                    29) +
+            __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                    31);
+  return __builtin_shufflevector(w3[0], w3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(w3[0], w3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Output lane L of sum_lanes_of_16 is the sum of input vector kTreeInput[L].
+constexpr int kTreeInput[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+template <int DT>
+void scores_dot_vec(const float* q, int M, const float* const* k, int n, float* s) {
+  constexpr int NV = DT / kLanes;
+  vfloat part[16];
+  for (int m = 0; m < M; ++m) {
+    vfloat qm[NV];
+    for (int i = 0; i < NV; ++i) qm[i] = load(q + m * DT + i * kLanes);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+      for (int lane = 0; lane < 16; ++lane) {
+        vfloat a = {};
+        if (j0 + lane < n) {
+          const float* kr = k[j0 + lane];
+          for (int i = 0; i < NV; ++i) a += qm[i] * load(kr + i * kLanes);
+        }
+        part[kTreeInput[lane]] = a;
+      }
+      store(s + m * kChunk + j0, sum_lanes_of_16(part));
+    }
+  }
+}
+
 // The same through a transposed copy of the chunk, vectorized over keys: worth the
 // transpose once many query rows share the chunk (prefill).
 template <int DT>
@@ -262,6 +309,8 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
       float* s = w.s.data();
       if (M >= 8)
         scores_transposed<DT>(qh, M, d, krow, n, s, w.kt.data());
+      else if constexpr (DT > 0 && DT % kLanes == 0)
+        scores_dot_vec<DT>(qh, M, krow, n, s);
       else
         scores_dot<DT>(qh, M, d, krow, n, s);
 
