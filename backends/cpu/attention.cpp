@@ -86,7 +86,8 @@ inline vfloat load(const float* p) {
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Scratch {
-  std::vector<float> q, acc, s, row_max, row_sum, k, v, kt;
+  std::vector<float> q, acc, s, row_max, row_sum, k, v, kt, alpha;
+  std::vector<int> range;
 };
 
 template <typename T>
@@ -164,23 +165,38 @@ void scores_dot_vec(const float* q, int M, const float* const* k, int n, float* 
 }
 
 // The same through a transposed copy of the chunk, vectorized over keys: worth the
-// transpose once many query rows share the chunk (prefill).
+// transpose once many query rows share the chunk (prefill). Four query rows at a
+// time keep 4 x kChunk scores in registers, so each transposed K load feeds 4 FMAs.
 template <int DT>
 void scores_transposed(const float* q, int M, int d_rt, const float* const* k, int n, float* s, float* kt) {
   const int d = DT ? DT : d_rt;
   for (int j = 0; j < n; ++j)
     for (int x = 0; x < d; ++x) kt[x * kChunk + j] = k[j][x];
-  for (int m = 0; m < M; ++m) {
-    const float* qm = q + static_cast<int64_t>(m) * d;
-    float* sm = s + m * kChunk;
-#pragma omp simd
-    for (int j = 0; j < kChunk; ++j) sm[j] = 0.0f;
+  for (int j = n; j < kChunk; ++j)
+    for (int x = 0; x < d; ++x) kt[x * kChunk + j] = 0.0f;
+  constexpr int NV = kChunk / kLanes;
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    vfloat acc[4][NV] = {};
+    const float* q0 = q + static_cast<int64_t>(m) * d;
     for (int x = 0; x < d; ++x) {
-      const float qx = qm[x];
       const float* kx = kt + x * kChunk;
-#pragma omp simd
-      for (int j = 0; j < kChunk; ++j) sm[j] += qx * kx[j];
+      vfloat kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load(kx + i * kLanes);
+      for (int r = 0; r < 4; ++r) {
+        const float qx = q0[r * d + x];
+        for (int i = 0; i < NV; ++i) acc[r][i] += qx * kv[i];
+      }
     }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < NV; ++i) store(s + (m + r) * kChunk + i * kLanes, acc[r][i]);
+  }
+  for (; m < M; ++m) {
+    vfloat acc[NV] = {};
+    const float* qm = q + static_cast<int64_t>(m) * d;
+    for (int x = 0; x < d; ++x)
+      for (int i = 0; i < NV; ++i) acc[i] += qm[x] * load(kt + x * kChunk + i * kLanes);
+    for (int i = 0; i < NV; ++i) store(s + m * kChunk + i * kLanes, acc[i]);
   }
 }
 
@@ -209,6 +225,34 @@ inline void accumulate_pv(float* am, float alpha, const float* pr, const float* 
       for (int x = 0; x < d; ++x) am[x] += pj * vr[x];
     }
   }
+}
+
+// R rows at once: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v[j] over the union of
+// the rows' key ranges (p is zero outside a row's own range), each V row loaded once.
+template <int DT, int R>
+inline void accumulate_pv_rows(float* acc, const float* alpha, const float* p, const float* const* v,
+                               const int* range) {
+  constexpr int NV = DT / kLanes;
+  int j0 = kChunk, j1 = 0;
+  for (int r = 0; r < R; ++r)
+    if (range[2 * r] < range[2 * r + 1]) {
+      j0 = std::min(j0, range[2 * r]);
+      j1 = std::max(j1, range[2 * r + 1]);
+    }
+  if (j0 >= j1) return;
+  vfloat a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = load(acc + r * DT + i * kLanes) * alpha[r];
+  for (int j = j0; j < j1; ++j) {
+    vfloat vr[NV];
+    for (int i = 0; i < NV; ++i) vr[i] = load(v[j] + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float pj = p[r * kChunk + j];
+      for (int i = 0; i < NV; ++i) a[r][i] += pj * vr[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) store(acc + r * DT + i * kLanes, a[r][i]);
 }
 
 // Element offsets of key rows [c0, c0 + n) of a sequence (head 0), through its block table.
@@ -252,6 +296,8 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
     w.v.resize(static_cast<size_t>(kChunk) * d);
   }
   w.kt.resize(static_cast<size_t>(kChunk) * d);
+  w.alpha.resize(M);
+  w.range.resize(2 * static_cast<size_t>(M));
 
   const T* qbase = static_cast<const T*>(p.q);
   for (int r = 0; r < nh * M; ++r) {
@@ -314,12 +360,23 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
       else
         scores_dot<DT>(qh, M, d, krow, n, s);
 
+      // Softmax first (probabilities into s, zero outside each row's keys), then P.V for
+      // rows in groups that share every V row load.
+      int* range = w.range.data();
+      float* alpha = w.alpha.data();
       for (int m = 0; m < M; ++m) {
         const int pos = ctx + u.t0 + m / G;
         const int j_end = std::min(n, pos - c0 + 1);  // causal
         const int j_begin = p.window > 0 ? std::max(0, pos - p.window + 1 - c0) : 0;
-        if (j_begin >= j_end) continue;
         float* sm = s + m * kChunk;
+        if (j_begin >= j_end) {
+          for (int j = 0; j < n; ++j) sm[j] = 0.0f;
+          range[2 * m] = range[2 * m + 1] = 0;
+          alpha[m] = 1.0f;
+          continue;
+        }
+        range[2 * m] = j_begin;
+        range[2 * m + 1] = j_end;
         if (capped) {
           for (int j = j_begin; j < j_end; ++j) sm[j] = p.softcap * std::tanh(sm[j] / p.softcap) * kLog2e;
         }
@@ -329,18 +386,31 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
         const int r = hh * M + m;
         const float old_max = w.row_max[r];
         const float new_max = std::max(old_max, bmax);
-        const float alpha = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+        alpha[m] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
         float sum = 0.0f;
+        for (int j = 0; j < j_begin; ++j) sm[j] = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int j = j_begin; j < j_end; ++j) {
           const float e = exp2_neg(sm[j] - new_max);
           sm[j] = e;
           sum += e;
         }
+        for (int j = j_end; j < n; ++j) sm[j] = 0.0f;
         w.row_max[r] = new_max;
-        w.row_sum[r] = w.row_sum[r] * alpha + sum;
-        accumulate_pv<DT>(w.acc.data() + static_cast<int64_t>(r) * d, alpha, sm, vrow, j_begin, j_end, d);
+        w.row_sum[r] = w.row_sum[r] * alpha[m] + sum;
       }
+      float* acc_h = w.acc.data() + static_cast<int64_t>(hh) * M * d;
+      int m = 0;
+      if constexpr (DT > 0 && DT % kLanes == 0) {
+        for (; m + 4 <= M; m += 4) accumulate_pv_rows<DT, 4>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m == 3) accumulate_pv_rows<DT, 3>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m == 2) accumulate_pv_rows<DT, 2>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m >= 2) m = M;
+      }
+      for (; m < M; ++m)
+        if (range[2 * m] < range[2 * m + 1])
+          accumulate_pv<DT>(acc_h + static_cast<int64_t>(m) * d, alpha[m], s + m * kChunk, vrow, range[2 * m],
+                            range[2 * m + 1], d);
     }
   }
 
