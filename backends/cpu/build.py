@@ -86,10 +86,23 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_failed: dict[Path, str] = {}  # a build that failed is not retried by every new engine in this process
+
+
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The compiled kernel, built on first use in this cache; raises :class:`BuildError`."""
     target = library_path()
+    if target in _failed:
+        raise BuildError(_failed[target])
+    try:
+        return _load_or_build(target)
+    except BuildError as exc:
+        _failed[target] = str(exc)
+        raise
+
+
+def _load_or_build(target: Path) -> ctypes.CDLL:
     if target.exists():
         try:
             return _bind(ctypes.CDLL(str(target)))
