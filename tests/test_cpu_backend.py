@@ -76,7 +76,7 @@ def check(backend, seq_lens, query_lens, block_size=16, heads=4, kv_heads=2, dim
     if query is not None:
         q = query(q)
     scale = 1.0 / math.sqrt(dim)
-    out = backend.attend(q, k_cache, v_cache, meta, scale, sliding_window=window, softcap=softcap)
+    out = backend.attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "NaN from unused cache slots reached the output"
     # bf16: inputs are exact bf16 values; the kernel computes in fp32 and rounds the output once.
@@ -151,8 +151,8 @@ def test_output_is_freshly_written_not_poison(backend):
 
 def test_bad_arguments_fail_with_one_clear_error(backend):
     meta, q, k_cache, v_cache, *_ = make_case([20], [1], 16, 4, 2, 64, torch.float32, 0)
-    with pytest.raises(ValueError, match="sliding_window"):
-        backend.attend(q, k_cache, v_cache, meta, 0.125, sliding_window=0)
+    with pytest.raises(ValueError, match="window"):
+        backend.attend(q, k_cache, v_cache, meta, 0.125, window=0)
     with pytest.raises(ValueError, match="softcap"):
         backend.attend(q, k_cache, v_cache, meta, 0.125, softcap=-1.0)
     with pytest.raises(ValueError, match="query heads"):

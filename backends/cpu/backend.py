@@ -33,19 +33,19 @@ class CpuBackend:
         meta: AttentionMetadata,
         scale: float,
         *,
-        sliding_window: int | None = None,
+        window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal paged attention of ``query`` ``[T, H, D]``; optional left window and logit soft-capping.
 
-        ``sliding_window`` w: a query at position p sees keys at positions in (p - w, p].
+        ``window`` w: a query at position p sees keys at positions in (p - w, p].
         ``softcap`` c: scores become ``c * tanh(score / c)`` before the softmax. None = off.
         """
         if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
             raise ValueError(f"the cpu backend runs float32/bfloat16 caches on the CPU, got {k_cache.dtype} "
                              f"on {k_cache.device}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {window}")
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be > 0 or None, got {softcap}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -62,7 +62,7 @@ class CpuBackend:
         rc = self.lib.pagedkv_cpu_attend(
             _DTYPES[k_cache.dtype], q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
             out.data_ptr(), tables.data_ptr(), tables.stride(0), ctx.data_ptr(), starts.data_ptr(), meta.num_seqs,
-            num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0),
+            num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], float(scale), int(window or 0),
             float(softcap or 0.0), QUERY_TILE, torch.get_num_threads(),
         )
         if rc != 0:
