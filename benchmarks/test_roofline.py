@@ -51,6 +51,7 @@ THREADS = tuple(int(t) for t in os.environ.get("PAGEDKV_ROOFLINE_THREADS", "1,2"
 ROUNDS = int(os.environ.get("PAGEDKV_ROOFLINE_ROUNDS", "3"))  # timed steps after one warm-up (2 at >1 thread)
 GOAL_FLOOR_PCT = 50.0
 GOAL_ENGINE_PCT = 5.0
+BACKEND = os.environ.get("PAGEDKV_ROOFLINE_BACKEND", "auto")  # auto = the cpu backend on CPU
 THREAD_NOTE = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"  # printed beside every result
 
 
@@ -192,7 +193,7 @@ def decode_engine(model, tokenizer, batch: int, ctx: int, steps: int):
 
     num_blocks = batch * math.ceil((ctx + steps + 2) / 16)
     engine = Engine(
-        EngineConfig(dtype="float32", num_blocks=num_blocks, max_num_seqs=batch,
+        EngineConfig(dtype="float32", backend=BACKEND, num_blocks=num_blocks, max_num_seqs=batch,
                      max_num_batched_tokens=max(2048, batch), block_size=16),
         model=model, tokenizer=tokenizer,
     )

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local HF model dir, .gguf, or cached hub id org/name "
                      "(default: the bundled SmolLM2-135M-Instruct)%(default).0s")
     run.add_argument("--revision", default=None, help="branch, tag or commit of a cached hub model")
-    run.add_argument("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
+    run.add_argument("--backend", default="auto",
+                     help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
     run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
     run.add_argument("--block-size", type=int, default=16)
     budget = run.add_mutually_exclusive_group()

@@ -72,7 +72,7 @@ class EngineConfig:
 
     model: str | None = None
     revision: str | None = None  # of a hub id in the local Hugging Face cache
-    backend: str = "torch"
+    backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
     allocator: str = "paged"
     scheduler: str = "fcfs"
     block_size: int = 16

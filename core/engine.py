@@ -66,12 +66,16 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
         configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
-        # each registry's entry for the configured name: a bad name fails before anything is loaded
-        backend_entry, allocator_entry, scheduler_entry = (
-            build_registry(self.pm, kind, f"pagedkv_register_{kind}s", startup_fault).get(name)
-            for kind, name in (("backend", config.backend), ("allocator", config.allocator),
-                               ("scheduler", config.scheduler))
+        backends, allocators, schedulers = (
+            build_registry(self.pm, kind, f"pagedkv_register_{kind}s", startup_fault)
+            for kind in ("backend", "allocator", "scheduler")
         )
+        if config.backend == "auto":  # the compiled CPU kernel on CPU (it falls back to torch without g++)
+            config.backend = "cpu" if config.device == "cpu" and "cpu" in backends.names() else "torch"
+        # each registry's entry for the configured name: a bad name fails before anything is loaded
+        backend_entry = backends.get(config.backend)
+        allocator_entry = allocators.get(config.allocator)
+        scheduler_entry = schedulers.get(config.scheduler)
         self.backend = None
         if runner is None:
             from pagedkv.core.model_loader import prepare_model

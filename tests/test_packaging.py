@@ -53,7 +53,7 @@ def test_builtin_components_come_through_the_entry_point_group(tmp_path):
         cwd=tmp_path,
     )
     assert json.loads(out) == {
-        "backend": ["cupy", "torch", "triton"],
+        "backend": ["cpu", "cupy", "torch", "triton"],
         "allocator": ["paged", "static"],
         "scheduler": ["fcfs"],
     }

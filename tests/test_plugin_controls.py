@@ -101,7 +101,7 @@ def test_an_empty_pagedkv_plugins_loads_no_third_party_plugin(site, monkeypatch)
     monkeypatch.setenv("PAGEDKV_PLUGINS", "")
     pm = make_plugin_manager()
     assert schedulers(pm) == ["fcfs"] and names["alpha"] not in schedulers(pm)
-    assert build_registry(pm, "backend", "pagedkv_register_backends").names() == ["cupy", "torch", "triton"]
+    assert build_registry(pm, "backend", "pagedkv_register_backends").names() == ["cpu", "cupy", "torch", "triton"]
     assert {r["name"]: r["status"] for r in list_plugins(pm) if not r["builtin"]} == {"alpha": "not selected"}
 
 
@@ -110,7 +110,7 @@ def test_pagedkv_disable_plugins_blocks_third_party_and_built_in_plugins(site, m
     monkeypatch.setenv("PAGEDKV_DISABLE_PLUGINS", "beta,cupy")
     pm = make_plugin_manager()
     assert names["alpha"] in schedulers(pm) and names["beta"] not in schedulers(pm)
-    assert build_registry(pm, "backend", "pagedkv_register_backends").names() == ["torch", "triton"]
+    assert build_registry(pm, "backend", "pagedkv_register_backends").names() == ["cpu", "torch", "triton"]
     assert pm.is_blocked("beta") and pm.is_blocked("cupy")
     rows = rows_by_name(pm)
     assert rows["beta"]["status"] == rows["cupy"]["status"] == "disabled"

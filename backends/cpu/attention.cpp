@@ -1,0 +1,494 @@
+// Paged attention for the CPU: reads K/V in place through the block table.
+//
+// One work unit = (sequence, KV head, tile of query tokens). A unit holds every
+// query head of its GQA group for every token of its tile, so each K/V row is
+// read once per group and used by all of them. It walks the sequence's blocks
+// through the block table with an online (flash) softmax, in fp32, whatever the
+// cache dtype. Units are spread over OpenMP threads (dynamic: causal prefill
+// units differ in size). Plain C interface, called through ctypes.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 2^x for x <= 0, written with arithmetic and bit operations only so that loops
+// over it vectorize: x = n + f with |f| <= 0.5, 2^f by its Taylor series in
+// f*ln2 to degree 6 (relative error ~1e-7), 2^n through the exponent bits.
+inline float exp2_neg(float x) {
+  x = std::max(x, -126.0f);
+  const float n = std::nearbyint(x);
+  const float r = (x - n) * kLn2;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Params {
+  int dtype;  // 0 = float32, 1 = bfloat16 (query, caches and output)
+  const void* q;
+  int64_t q_tok_stride, q_head_stride;  // in elements; head_dim is contiguous
+  const void* k_cache;
+  const void* v_cache;
+  void* out;  // [T, H, D] contiguous
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int window;  // 0 = off; else keys with pos > q_pos - window
+  float softcap;  // 0 = off
+};
+
+struct Unit {
+  int seq, t0, t1, h0, h1;  // query tokens [t0, t1) of one sequence, KV heads [h0, h1)
+};
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+struct Scratch {
+  std::vector<float> q, acc, s, row_max, row_sum, k, v, kt, alpha;
+  std::vector<int> range;
+};
+
+template <typename T>
+inline float to_float(T x);
+template <>
+inline float to_float<float>(float x) { return x; }
+template <>
+inline float to_float<uint16_t>(uint16_t x) { return bf16_to_float(x); }
+
+// Keys are taken in chunks of up to kChunk rows that may span several blocks, so the
+// softmax bookkeeping (max, rescale) is paid once per chunk whatever the block size.
+constexpr int kChunk = 64;
+
+// scores[m][j] = q[m] . k[j] for M query rows and n key rows.
+template <int DT>
+void scores_dot(const float* q, int M, int d_rt, const float* const* k, int n, float* s) {
+  const int d = DT ? DT : d_rt;
+  for (int j = 0; j < n; ++j) {
+    const float* kr = k[j];
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + static_cast<int64_t>(m) * d;
+      float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+      for (int x = 0; x < d; ++x) a += qm[x] * kr[x];
+      s[m * kChunk + j] = a;
+    }
+  }
+}
+
+// Sixteen dot products at once, for head dims that are whole vectors: the partial
+// vectors of 16 keys are summed by a shuffle tree into one vector of 16 scores
+// (a horizontal sum per key is a chain of dependent scalar adds).
+inline vfloat sum_lanes_of_16(const vfloat* v) {
+  vfloat w1[8], w2[4], w3[2];
+  for (int i = 0; i < 8; ++i)
+    w1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 4; ++i)
+    w2[i] = __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  for (int i = 0; i < 2; ++i)
+    w3[i] = __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                    29) +
+            __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                    31);
+  return __builtin_shufflevector(w3[0], w3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(w3[0], w3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Output lane L of sum_lanes_of_16 is the sum of input vector kTreeInput[L].
+constexpr int kTreeInput[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+template <int DT>
+void scores_dot_vec(const float* q, int M, const float* const* k, int n, float* s) {
+  constexpr int NV = DT / kLanes;
+  vfloat part[16];
+  for (int m = 0; m < M; ++m) {
+    vfloat qm[NV];
+    for (int i = 0; i < NV; ++i) qm[i] = load(q + m * DT + i * kLanes);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+      for (int lane = 0; lane < 16; ++lane) {
+        vfloat a = {};
+        if (j0 + lane < n) {
+          const float* kr = k[j0 + lane];
+          for (int i = 0; i < NV; ++i) a += qm[i] * load(kr + i * kLanes);
+        }
+        part[kTreeInput[lane]] = a;
+      }
+      store(s + m * kChunk + j0, sum_lanes_of_16(part));
+    }
+  }
+}
+
+// The same through a transposed copy of the chunk, vectorized over keys: worth the
+// transpose once many query rows share the chunk (prefill). Four query rows at a
+// time keep 4 x kChunk scores in registers, so each transposed K load feeds 4 FMAs.
+template <int DT>
+void scores_transposed(const float* q, int M, int d_rt, const float* const* k, int n, float* s, float* kt) {
+  const int d = DT ? DT : d_rt;
+  for (int j = 0; j < n; ++j)
+    for (int x = 0; x < d; ++x) kt[x * kChunk + j] = k[j][x];
+  for (int j = n; j < kChunk; ++j)
+    for (int x = 0; x < d; ++x) kt[x * kChunk + j] = 0.0f;
+  constexpr int NV = kChunk / kLanes;
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    vfloat acc[4][NV] = {};
+    const float* q0 = q + static_cast<int64_t>(m) * d;
+    for (int x = 0; x < d; ++x) {
+      const float* kx = kt + x * kChunk;
+      vfloat kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load(kx + i * kLanes);
+      for (int r = 0; r < 4; ++r) {
+        const float qx = q0[r * d + x];
+        for (int i = 0; i < NV; ++i) acc[r][i] += qx * kv[i];
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < NV; ++i) store(s + (m + r) * kChunk + i * kLanes, acc[r][i]);
+  }
+  for (; m < M; ++m) {
+    vfloat acc[NV] = {};
+    const float* qm = q + static_cast<int64_t>(m) * d;
+    for (int x = 0; x < d; ++x)
+      for (int i = 0; i < NV; ++i) acc[i] += qm[x] * load(kt + x * kChunk + i * kLanes);
+    for (int i = 0; i < NV; ++i) store(s + m * kChunk + i * kLanes, acc[i]);
+  }
+}
+
+// acc[x] = acc[x] * alpha + sum_j p[j] * v[j][x] for x < d, j in [j0, j1).
+template <int DT>
+inline void accumulate_pv(float* am, float alpha, const float* pr, const float* const* v, int j0, int j1, int d_rt) {
+  if constexpr (DT > 0 && DT % kLanes == 0) {
+    // The accumulator stays in registers across the chunk (GCC vector extensions:
+    // AVX-512, AVX2 or SSE, whatever -march gives).
+    constexpr int NV = DT / kLanes;
+    vfloat a[NV];
+    for (int i = 0; i < NV; ++i) a[i] = load(am + i * kLanes) * alpha;
+    for (int j = j0; j < j1; ++j) {
+      const float pj = pr[j];
+      const float* vr = v[j];
+      for (int i = 0; i < NV; ++i) a[i] += pj * load(vr + i * kLanes);
+    }
+    for (int i = 0; i < NV; ++i) store(am + i * kLanes, a[i]);
+  } else {
+    const int d = DT ? DT : d_rt;
+    for (int x = 0; x < d; ++x) am[x] *= alpha;
+    for (int j = j0; j < j1; ++j) {
+      const float pj = pr[j];
+      const float* vr = v[j];
+#pragma omp simd
+      for (int x = 0; x < d; ++x) am[x] += pj * vr[x];
+    }
+  }
+}
+
+// R rows at once: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v[j] over the union of
+// the rows' key ranges (p is zero outside a row's own range), each V row loaded once.
+template <int DT, int R>
+inline void accumulate_pv_rows(float* acc, const float* alpha, const float* p, const float* const* v,
+                               const int* range) {
+  constexpr int NV = DT / kLanes;
+  int j0 = kChunk, j1 = 0;
+  for (int r = 0; r < R; ++r)
+    if (range[2 * r] < range[2 * r + 1]) {
+      j0 = std::min(j0, range[2 * r]);
+      j1 = std::max(j1, range[2 * r + 1]);
+    }
+  if (j0 >= j1) return;
+  vfloat a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = load(acc + r * DT + i * kLanes) * alpha[r];
+  for (int j = j0; j < j1; ++j) {
+    vfloat vr[NV];
+    for (int i = 0; i < NV; ++i) vr[i] = load(v[j] + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float pj = p[r * kChunk + j];
+      for (int i = 0; i < NV; ++i) a[r][i] += pj * vr[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) store(acc + r * DT + i * kLanes, a[r][i]);
+}
+
+// Element offsets of key rows [c0, c0 + n) of a sequence (head 0), through its block table.
+inline void row_offsets(const int32_t* table, int c0, int n, int bs, int64_t block_stride, int64_t row_stride,
+                        int64_t* off) {
+  for (int j = 0; j < n; ++j) {
+    const int pos = c0 + j;
+    off[j] = static_cast<int64_t>(table[pos / bs]) * block_stride + static_cast<int64_t>(pos % bs) * row_stride;
+  }
+}
+
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* off, int n, int64_t bytes) {
+  for (int j = 0; j < n; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + off[j]);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(r + c, 0, 1);
+  }
+}
+
+template <typename T, int DT>
+void run_unit(const Params& p, const Unit& u, Scratch& w) {
+  const int d = DT ? DT : p.head_dim;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int bs = p.block_size;
+  const int nt = u.t1 - u.t0;
+  const int M = nt * G;  // rows per KV head: row m = token (m / G), query head (m % G) of the group
+  const int nh = u.h1 - u.h0;
+  const int ctx = p.context_lens[u.seq];
+  const int qs = p.query_start_loc[u.seq];
+  const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
+  const bool capped = p.softcap > 0.0f;
+  const float qscale = capped ? p.scale : p.scale * kLog2e;
+
+  w.q.resize(static_cast<size_t>(nh) * M * d);
+  w.acc.assign(static_cast<size_t>(nh) * M * d, 0.0f);
+  w.s.resize(static_cast<size_t>(M) * kChunk);
+  w.row_max.assign(static_cast<size_t>(nh) * M, -INFINITY);
+  w.row_sum.assign(static_cast<size_t>(nh) * M, 0.0f);
+  if (sizeof(T) != sizeof(float)) {
+    w.k.resize(static_cast<size_t>(kChunk) * d);
+    w.v.resize(static_cast<size_t>(kChunk) * d);
+  }
+  w.kt.resize(static_cast<size_t>(kChunk) * d);
+  w.alpha.resize(M);
+  w.range.resize(2 * static_cast<size_t>(M));
+
+  const T* qbase = static_cast<const T*>(p.q);
+  for (int r = 0; r < nh * M; ++r) {
+    const int m = r % M;
+    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
+    const T* src = qbase + (qs + t) * p.q_tok_stride + h * p.q_head_stride;
+    float* dst = w.q.data() + static_cast<int64_t>(r) * d;
+    for (int x = 0; x < d; ++x) dst[x] = to_float<T>(src[x]) * qscale;
+  }
+
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * d;  // between tokens of one block
+  const int64_t block_stride = row_stride * bs;
+  const int64_t span_bytes = static_cast<int64_t>(nh) * d * sizeof(T);  // this unit's heads in one row
+  const T* kc = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * d;
+  const T* vc = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(u.h0) * d;
+  const int k_hi = ctx + u.t1;  // keys [k_lo, k_hi) are visible to some row of the tile
+  const int k_lo = p.window > 0 ? std::max(0, ctx + u.t0 - p.window + 1) : 0;
+
+  int64_t off[2][kChunk];
+  const float* krow[kChunk];
+  const float* vrow[kChunk];
+  int cur = 0;
+  row_offsets(table, k_lo, std::min(kChunk, k_hi - k_lo), bs, block_stride, row_stride, off[cur]);
+  for (int c0 = k_lo; c0 < k_hi; c0 += kChunk, cur ^= 1) {
+    const int n = std::min(kChunk, k_hi - c0);
+    if (c0 + kChunk < k_hi) {  // blocks sit anywhere in the pool: fetch the next chunk while this one is computed
+      const int n_next = std::min(kChunk, k_hi - c0 - kChunk);
+      row_offsets(table, c0 + kChunk, n_next, bs, block_stride, row_stride, off[cur ^ 1]);
+      prefetch_rows(kc, off[cur ^ 1], n_next, span_bytes);
+      prefetch_rows(vc, off[cur ^ 1], n_next, span_bytes);
+    }
+    for (int hh = 0; hh < nh; ++hh) {
+      const int64_t head = static_cast<int64_t>(hh) * d;
+      if constexpr (sizeof(T) == sizeof(float)) {
+        for (int j = 0; j < n; ++j) {
+          krow[j] = reinterpret_cast<const float*>(kc + off[cur][j] + head);
+          vrow[j] = reinterpret_cast<const float*>(vc + off[cur][j] + head);
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          const T* kr = kc + off[cur][j] + head;
+          const T* vr = vc + off[cur][j] + head;
+          float* kd = w.k.data() + static_cast<int64_t>(j) * d;
+          float* vd = w.v.data() + static_cast<int64_t>(j) * d;
+#pragma omp simd
+          for (int x = 0; x < d; ++x) {
+            kd[x] = to_float<T>(kr[x]);
+            vd[x] = to_float<T>(vr[x]);
+          }
+          krow[j] = kd;
+          vrow[j] = vd;
+        }
+      }
+      const float* qh = w.q.data() + static_cast<int64_t>(hh) * M * d;
+      float* s = w.s.data();
+      if (M >= 8)
+        scores_transposed<DT>(qh, M, d, krow, n, s, w.kt.data());
+      else if constexpr (DT > 0 && DT % kLanes == 0)
+        scores_dot_vec<DT>(qh, M, krow, n, s);
+      else
+        scores_dot<DT>(qh, M, d, krow, n, s);
+
+      // Softmax first (probabilities into s, zero outside each row's keys), then P.V for
+      // rows in groups that share every V row load.
+      int* range = w.range.data();
+      float* alpha = w.alpha.data();
+      for (int m = 0; m < M; ++m) {
+        const int pos = ctx + u.t0 + m / G;
+        const int j_end = std::min(n, pos - c0 + 1);  // causal
+        const int j_begin = p.window > 0 ? std::max(0, pos - p.window + 1 - c0) : 0;
+        float* sm = s + m * kChunk;
+        if (j_begin >= j_end) {
+          for (int j = 0; j < n; ++j) sm[j] = 0.0f;
+          range[2 * m] = range[2 * m + 1] = 0;
+          alpha[m] = 1.0f;
+          continue;
+        }
+        range[2 * m] = j_begin;
+        range[2 * m + 1] = j_end;
+        if (capped) {
+          for (int j = j_begin; j < j_end; ++j) sm[j] = p.softcap * std::tanh(sm[j] / p.softcap) * kLog2e;
+        }
+        float bmax = -INFINITY;
+#pragma omp simd reduction(max : bmax)
+        for (int j = j_begin; j < j_end; ++j) bmax = std::max(bmax, sm[j]);
+        const int r = hh * M + m;
+        const float old_max = w.row_max[r];
+        const float new_max = std::max(old_max, bmax);
+        alpha[m] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+        float sum = 0.0f;
+        for (int j = 0; j < j_begin; ++j) sm[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = j_begin; j < j_end; ++j) {
+          const float e = exp2_neg(sm[j] - new_max);
+          sm[j] = e;
+          sum += e;
+        }
+        for (int j = j_end; j < n; ++j) sm[j] = 0.0f;
+        w.row_max[r] = new_max;
+        w.row_sum[r] = w.row_sum[r] * alpha[m] + sum;
+      }
+      float* acc_h = w.acc.data() + static_cast<int64_t>(hh) * M * d;
+      int m = 0;
+      if constexpr (DT > 0 && DT % kLanes == 0) {
+        for (; m + 4 <= M; m += 4) accumulate_pv_rows<DT, 4>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m == 3) accumulate_pv_rows<DT, 3>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m == 2) accumulate_pv_rows<DT, 2>(acc_h + m * DT, alpha + m, s + m * kChunk, vrow, range + 2 * m);
+        if (M - m >= 2) m = M;
+      }
+      for (; m < M; ++m)
+        if (range[2 * m] < range[2 * m + 1])
+          accumulate_pv<DT>(acc_h + static_cast<int64_t>(m) * d, alpha[m], s + m * kChunk, vrow, range[2 * m],
+                            range[2 * m + 1], d);
+    }
+  }
+
+  T* obase = static_cast<T*>(p.out);
+  for (int r = 0; r < nh * M; ++r) {
+    const int m = r % M;
+    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
+    T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * d;
+    const float* am = w.acc.data() + static_cast<int64_t>(r) * d;
+    const float inv = w.row_sum[r] > 0.0f ? 1.0f / w.row_sum[r] : 0.0f;
+    for (int x = 0; x < d; ++x) {
+      const float o = am[x] * inv;
+      if constexpr (sizeof(T) == sizeof(float))
+        dst[x] = o;
+      else
+        dst[x] = float_to_bf16(o);
+    }
+  }
+}
+
+template <typename T, int DT>
+void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
+  const int n = static_cast<int>(units.size());
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) run_unit<T, DT>(p, units[i], w);
+  }
+}
+
+template <typename T>
+void dispatch_dim(const Params& p, const std::vector<Unit>& units, int threads) {
+  switch (p.head_dim) {
+    case 64: run_all<T, 64>(p, units, threads); break;
+    case 128: run_all<T, 128>(p, units, threads); break;
+    case 32: run_all<T, 32>(p, units, threads); break;
+    case 256: run_all<T, 256>(p, units, threads); break;
+    default: run_all<T, 0>(p, units, threads); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, nonzero for arguments the kernel does not handle.
+int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_cache,
+                       const void* v_cache, void* out, const int32_t* block_tables, int64_t bt_stride,
+                       const int32_t* context_lens, const int32_t* query_start_loc, int num_seqs, int num_heads,
+                       int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,
+                       int query_tile, int threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
+  if (dtype != 0 && dtype != 1) return 2;
+  Params p{dtype, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
+           context_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+           scale, window, softcap};
+  const int tile = std::max(1, query_tile);
+  threads = std::max(1, threads);
+  // A unit takes every KV head of its tokens, so it reads each block as one contiguous
+  // stretch; heads are split apart only when there are too few units to go round.
+  int tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+  const int head_split = tiles >= 4 * threads ? 1 : num_kv_heads;
+  std::vector<Unit> units;
+  units.reserve(static_cast<size_t>(tiles) * head_split);
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = query_start_loc[s + 1] - query_start_loc[s];
+    for (int t0 = 0; t0 < len; t0 += tile)
+      for (int part = 0; part < head_split; ++part)
+        units.push_back({s, t0, std::min(len, t0 + tile), part * num_kv_heads / head_split,
+                         (part + 1) * num_kv_heads / head_split});
+  }
+  if (dtype == 0)
+    dispatch_dim<float>(p, units, threads);
+  else
+    dispatch_dim<uint16_t>(p, units, threads);
+  return 0;
+}
+
+}  // extern "C"

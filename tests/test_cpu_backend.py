@@ -1,0 +1,228 @@
+"""The compiled CPU backend against a float64 reference, and token-identical to transformers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from pagedkv import LLM, SamplingParams
+from pagedkv.backends.cpu import build
+from pagedkv.core.attention_metadata import AttentionMetadata
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from pagedkv.backends.cpu import CpuBackend
+
+    try:
+        return CpuBackend()
+    except build.BuildError as exc:  # pragma: no cover - only on a machine without a compiler
+        pytest.skip(f"no CPU attention kernel here: {exc}")
+
+
+def reference(q, k, v, context_len, scale, window=None, softcap=None):
+    """float64, contiguous, GQA expanded: q [Q, H, D] at positions context_len.., k/v [L, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = context_len + torch.arange(q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_case(seq_lens, query_lens, block_size, heads, kv_heads, dim, dtype, seed):
+    """Fresh random K/V in a NaN-poisoned paged cache, placed through shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables, keys, values = [], [], []
+    for n, nb in zip(seq_lens, needed):
+        table = [order.pop() for _ in range(nb)]
+        k = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
+        v = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
+        for pos in range(n):
+            k_cache[table[pos // block_size], pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    query = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
+    meta = AttentionMetadata.build(
+        block_tables=tables, context_lens=[n - q for n, q in zip(seq_lens, query_lens)],
+        query_lens=list(query_lens), block_size=block_size,
+    )
+    return meta, query, k_cache, v_cache, keys, values
+
+
+def check(backend, seq_lens, query_lens, block_size=16, heads=4, kv_heads=2, dim=64, dtype=torch.float32,
+          window=None, softcap=None, seed=0, query=None):
+    meta, q, k_cache, v_cache, keys, values = make_case(
+        seq_lens, query_lens, block_size, heads, kv_heads, dim, dtype, seed
+    )
+    if query is not None:
+        q = query(q)
+    scale = 1.0 / math.sqrt(dim)
+    out = backend.attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "NaN from unused cache slots reached the output"
+    # bf16: inputs are exact bf16 values; the kernel computes in fp32 and rounds the output once.
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    start = 0
+    for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
+        expected = reference(q[start : start + q_len], k, v, n - q_len, scale, window, softcap)
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tol, rtol=tol)
+        start += q_len
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32, 256])
+def test_decode_lengths_around_block_edges(backend, block_size):
+    lengths = [1, block_size - 1 or 1, block_size, block_size + 1, 2 * block_size + 5, 300]
+    check(backend, lengths, [1] * len(lengths), block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+def test_gqa_groups_read_one_kv_head(backend, group):
+    check(backend, [40, 1, 77], [1, 1, 5], 16, heads=2 * group, kv_heads=2, seed=group)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 64])
+def test_prefill_without_cached_prefix_is_causal(backend, block_size):
+    check(backend, [1, 37, 130], [1, 37, 130], block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_prefill_chunks_over_a_cached_prefix_mixed_with_decodes(backend, block_size):
+    # context not block aligned, chunks longer than the query tile, decodes in the same call
+    check(backend, [50, 200, 9, 64], [13, 70, 1, 1], block_size, heads=6, kv_heads=2, seed=block_size)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 80, 128, 256])
+def test_head_dims_specialised_and_generic(backend, dim):
+    check(backend, [33, 5], [1, 5], 16, dim=dim, seed=dim)
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_bfloat16_caches_within_bf16_tolerance(backend, block_size):
+    check(backend, [100, 18, 1], [1, 18, 1], block_size, heads=9, kv_heads=3, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_hides_keys_left_of_it(backend, window):
+    check(backend, [70, 30, 3], [1, 30, 3], 8, window=window, seed=window)
+    check(backend, [120], [45], 16, window=window, seed=window + 1)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+def test_logit_softcap(backend, softcap):
+    # scaled-up queries so that the cap changes the scores a lot
+    check(backend, [60, 25], [1, 25], 16, softcap=softcap, query=lambda q: q * 8, seed=3)
+    check(backend, [60, 25], [1, 25], 16, softcap=softcap, window=7, query=lambda q: q * 8, seed=4)
+
+
+def test_context_one_and_a_single_query_head(backend):
+    check(backend, [1], [1], 16, heads=1, kv_heads=1)
+
+
+def test_query_as_a_strided_view(backend):
+    # what transformers hands over: [H, T, D] memory seen as [T, H, D]
+    check(backend, [30, 12], [3, 12], 16, query=lambda q: q.transpose(0, 1).contiguous().transpose(0, 1))
+
+
+def test_output_is_freshly_written_not_poison(backend):
+    meta, q, k_cache, v_cache, *_ = make_case([20], [1], 16, 4, 2, 64, torch.float32, 0)
+    first = backend.attend(q, k_cache, v_cache, meta, 0.125)
+    again = backend.attend(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(first, again) and torch.isfinite(first).all()
+
+
+def test_bad_arguments_fail_with_one_clear_error(backend):
+    meta, q, k_cache, v_cache, *_ = make_case([20], [1], 16, 4, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="window"):
+        backend.attend(q, k_cache, v_cache, meta, 0.125, window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        backend.attend(q, k_cache, v_cache, meta, 0.125, softcap=-1.0)
+    with pytest.raises(ValueError, match="query heads"):
+        backend.attend(q[:, :3], k_cache, v_cache, meta, 0.125)
+
+
+def test_missing_compiler_falls_back_to_the_reference_with_one_log_line(monkeypatch, tmp_path, caplog):
+    from pagedkv.backends.cpu import plugin
+    from pagedkv.core.config import EngineConfig
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))  # nothing cached: a build would be needed
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedkv"):
+            chosen = plugin._build(EngineConfig(backend="cpu", device="cpu", num_blocks=4))
+    finally:
+        build.load.cache_clear()
+    assert chosen.name == "torch"
+    lines = [r.getMessage() for r in caplog.records if "CPU attention kernel unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0]
+    assert not any(tmp_path.rglob("*.so"))
+
+
+# --- whole model: greedy tokens identical to transformers' generate ------------------------------------------
+
+LENGTHS = [3, 17, 40, 1, 64, 9]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    prompts = random_prompts(LENGTHS, seed=1)
+    return prompts, {name: [hf_greedy(m, p, MAX_NEW) for p in prompts] for name, m in tiny_models.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+def test_greedy_tokens_match_transformers_generate(backend, tiny_models, references, arch, block_size):
+    prompts, refs = references
+    llm = LLM(hf_model=tiny_models[arch], device="cpu", backend="cpu", block_size=block_size,
+              num_blocks=2048 // block_size)
+    assert llm.engine.backend.name == "cpu"
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs[arch]
+    assert llm.engine.pool.num_free == llm.engine.num_blocks
+
+
+def test_greedy_tokens_match_with_chunked_prefill_and_prefix_cache(backend, tiny_models, references):
+    prompts, refs = references
+    llm = LLM(hf_model=tiny_models["qwen2"], device="cpu", backend="cpu", block_size=4, num_blocks=256,
+              max_num_batched_tokens=7, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs["qwen2"]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs["qwen2"]  # now over cached prefixes
+    assert llm.engine.stats.steps > MAX_NEW + 64 // 7
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_transformers(smollm2):
+    model, tokenizer = smollm2
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    refs = [hf_greedy(model, p, 24) for p in prompts]
+    llm = LLM(hf_model=model, tokenizer=tokenizer, device="cpu", backend="cpu", block_size=16, num_blocks=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_auto_backend_is_the_compiled_kernel_on_cpu(backend, tiny_llama):
+    llm = LLM(hf_model=tiny_llama, device="cpu", num_blocks=16)
+    assert llm.engine.config.backend == "cpu" and llm.engine.backend.name == "cpu"
+    assert LLM(hf_model=tiny_llama, device="cpu", num_blocks=16, backend="torch").engine.backend.name == "torch"
