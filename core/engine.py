@@ -19,7 +19,7 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
+from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks, tensor_parallel_note
 from pagedkv.core.plugin_guard import Observers, PluginFault, call_decision
 from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
 from pagedkv.core.request_check import check_prompt
@@ -62,6 +62,7 @@ class Engine:
         scheduler_entry = schedulers.get(config.scheduler)
 
         self.backend = None
+        from_config = model is None
         if runner is None:
             from pagedkv.core.model_loader import prepare_model
 
@@ -71,6 +72,11 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
+        if config.tensor_parallel_size > 1 and runner is None:  # each rank holds its share of the KV heads
+            from pagedkv.core.tensor_parallel import check_divisible, rank_spec
+
+            check_divisible(hf_config, config.tensor_parallel_size)
+            self.spec = rank_spec(self.spec, config.tensor_parallel_size)
         self.num_blocks = decide_num_blocks(config, self.spec, model)
         self.capacity_tokens = self.num_blocks * config.block_size
         self.max_model_len = decide_max_model_len(config, hf_config, self.capacity_tokens)
@@ -89,7 +95,11 @@ class Engine:
         self.stop_check = StopCheck(self.eos_token_ids, tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
-        if runner is None:
+        if runner is None and config.tensor_parallel_size > 1:
+            from pagedkv.core.tp_runner import TensorParallelRunner
+
+            runner = TensorParallelRunner.launch(config, model, self.backend, self.spec, self.num_blocks, from_config)
+        elif runner is None:
             from pagedkv.core.model_runner import ModelRunner
 
             runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device)
@@ -113,7 +123,19 @@ class Engine:
             f"KV cache: {self.num_blocks} blocks of {c.block_size} tokens = {self.capacity_tokens} tokens; "
             f"max concurrency for {self.max_model_len}-token requests: "
             f"{self.capacity_tokens / self.max_model_len:.2f}x"
-        )
+        ) + tensor_parallel_note(c.tensor_parallel_size, self.spec, self.num_blocks)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit); the engine cannot step afterwards."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- requests -------------------------------------------------------------------------------------
 
