@@ -34,6 +34,7 @@ TIMEOUT_ENV = "PAGEDKV_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # workers wait this long for the next step of an idle engine
 STOP_GRACE_S = 5.0
+START_TIMEOUT_S = 600.0  # loading a large model on every rank may take minutes
 
 
 @contextlib.contextmanager
@@ -103,6 +104,9 @@ class TensorParallelGroup:
         from pagedkv.core.tensor_parallel import check_divisible, decoder_layers
 
         world_size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise ConfigError("a process group is already initialized here (one tensor-parallel engine per process "
+                              "at a time): close the other engine first")
         check_divisible(model.config, world_size)  # before any process starts
         decoder_layers(model)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
@@ -189,6 +193,21 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, device=self._object_device)
         self.comm_seconds += time.perf_counter() - started
         return box[0]
+
+    def wait_ready(self) -> None:
+        """Rank 0: wait until every rank has loaded its shard, watching the children instead of timing out early."""
+        work = dist.barrier(async_op=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not work.is_completed():
+            self.check_workers()
+            if time.monotonic() > deadline:
+                self.fail(TimeoutError(f"the ranks were not ready after {START_TIMEOUT_S:.0f} s"))
+            time.sleep(0.02)
+        work.wait()
+
+    def ready(self) -> None:
+        """Every other rank: tell rank 0 this rank is ready."""
+        dist.barrier()
 
     # --- faults and shutdown ---------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class TensorParallelRunner:
         self.group = group
         self._cpu_blocks: int | None = None  # a new CPU swap pool size, sent with the next step
         self._guarded(lambda: group.broadcast({"num_blocks": num_blocks}))
+        self._guarded(group.wait_ready)
 
     @classmethod
     def launch(cls, config: Any, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int,
@@ -100,6 +101,7 @@ def serve(group: TensorParallelGroup, config: Any, model: Any) -> None:
         return
     spec = rank_spec(KVCacheSpec.from_model_config(model.config, config.block_size, config.dtype), group.world_size)
     runner = ModelRunner(model, backend.factory(config), spec, hello["num_blocks"], group.device)
+    group.ready()
     with torch.inference_mode():
         while (message := group.broadcast(None)) is not None:
             batch, cpu_blocks = message
