@@ -5,10 +5,11 @@ a rendezvous store on a loopback port it binds first (so the port is free and no
 beyond 127.0.0.1); under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) every process already
 exists, rank 0 returns to the engine and the others run the worker loop, then exit.
 
-Two process groups: ``control`` carries one broadcast per step from rank 0 and waits as long
-as the engine idles; ``model`` carries the layers' all-reduces with a short timeout
-(``PAGEDKV_TP_TIMEOUT`` seconds, default 60), so a hung rank ends the step with an error in
-bounded time. A rank that dies closes its sockets, which fails the next collective at once;
+Two process groups: the default one carries one broadcast per step from rank 0
+(:class:`~pagedkv.core.step_channel.StepChannel`; rank 0 does not wait for it) and lets the other
+ranks wait as long as the engine idles; ``model_group`` carries the layers' all-reduces with a
+short timeout (``PAGEDKV_TP_TIMEOUT`` seconds, default 60), so a hung rank ends the step with an
+error in bounded time. A rank that dies closes its sockets, which fails the next collective at once;
 rank 0 also checks its children before every step.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.core.errors import ConfigError, PagedKVError
+from pagedkv.core.step_channel import StepChannel
 
 TIMEOUT_ENV = "PAGEDKV_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
@@ -92,7 +94,7 @@ class TensorParallelGroup:
         self.model_group: Any = dist.new_group(list(range(world_size)), timeout=collective_timeout())
         self.comm_seconds = 0.0  # time in collectives on this rank (steps' broadcasts and all-reduces)
         self.closed = False
-        self._object_device = torch.device(device) if device.startswith("cuda") else torch.device("cpu")
+        self.channel = StepChannel(torch.device(device) if device.startswith("cuda") else torch.device("cpu"))
         if rank == 0:
             atexit.register(self.close)
 
@@ -187,12 +189,14 @@ class TensorParallelGroup:
         self.comm_seconds += time.perf_counter() - started
 
     def broadcast(self, message: Any) -> Any:
-        """Rank 0 sends ``message`` to every rank (one ``broadcast_object_list``); the others get it back."""
+        """Rank 0 sends ``message`` to every rank (one broadcast, not awaited); the others wait for it and get it."""
         started = time.perf_counter()
-        box = [message]
-        dist.broadcast_object_list(box, src=0, device=self._object_device)
+        if self.rank == 0:
+            self.channel.send(message)
+        else:
+            message = self.channel.receive()
         self.comm_seconds += time.perf_counter() - started
-        return box[0]
+        return message
 
     def wait_ready(self) -> None:
         """Rank 0: wait until every rank has loaded its shard, watching the children instead of timing out early."""
@@ -226,7 +230,8 @@ class TensorParallelGroup:
         self.close(notify=False)
         raise TensorParallelError(
             f"tensor-parallel worker failure, the engine stopped: {what}"
-            + ("" if dead else f" (a rank that hangs fails the step after {TIMEOUT_ENV}={collective_timeout()})")
+            + ("" if dead else f" (a rank hung or failed; collective timeout "
+                                f"{TIMEOUT_ENV}={collective_timeout().total_seconds():g} s)")
         ) from cause
 
     def close(self, notify: bool = True) -> None:
@@ -239,7 +244,7 @@ class TensorParallelGroup:
                 self.broadcast(None)
             except Exception:  # noqa: BLE001 - a broken group: the children are stopped below anyway
                 pass
-        _stop(self.processes)
+        _stop(self.processes, STOP_GRACE_S if notify else 0.0)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -250,8 +255,9 @@ class TensorParallelGroup:
         atexit.unregister(self.close)
 
 
-def _stop(processes: list[Any]) -> None:
-    deadline = time.monotonic() + STOP_GRACE_S
+def _stop(processes: list[Any], grace_s: float = STOP_GRACE_S) -> None:
+    """Wait ``grace_s`` for the processes to exit, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in processes:
