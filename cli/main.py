@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except PagedKVError as exc:
         print(f"engine: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every rank of a tensor-parallel engine is stopped at exit
+        print("engine: interrupted", file=sys.stderr)
+        return 130
     parser.print_help()
     return 1
 
