@@ -101,8 +101,9 @@ class TensorParallelGroup:
     # --- starting ------------------------------------------------------------------------------------
 
     @classmethod
-    def launch(cls, config: Any, model: Any, from_config: bool) -> TensorParallelGroup:
-        """Join or create the ranks; returns on rank 0 only (other torchrun ranks serve, then exit)."""
+    def launch(cls, config: Any, model: Any, from_config: bool, worker_main: Any) -> TensorParallelGroup:
+        """Join (under torchrun) or create the ranks; ``worker_main`` is the entry point of a spawned rank.
+        On rank 0 ``model`` is cut to its shard; another rank's caller serves steps with its group."""
         from pagedkv.core.tensor_parallel import check_divisible, decoder_layers
 
         world_size = config.tensor_parallel_size
@@ -123,19 +124,15 @@ class TensorParallelGroup:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
             group = cls(rank, world_size, device, [], None)
             if rank != 0:
-                from pagedkv.core.tp_runner import serve
-
-                serve(group, config, model)
-                raise SystemExit(0)
+                return group
         else:
-            group = cls._spawn(config, model, from_config, backend, world_size)
+            group = cls._spawn(config, model, from_config, backend, world_size, worker_main)
         group.shard(model)
         return group
 
     @classmethod
-    def _spawn(cls, config: Any, model: Any, from_config: bool, backend: str, world_size: int) -> TensorParallelGroup:
-        from pagedkv.core.tp_runner import spawned_main
-
+    def _spawn(cls, config: Any, model: Any, from_config: bool, backend: str, world_size: int,
+               worker_main: Any) -> TensorParallelGroup:
         scratch = None
         if from_config:
             from pagedkv.core.model_loader import resolve_model_dir
@@ -157,7 +154,7 @@ class TensorParallelGroup:
         try:
             for rank in range(1, world_size):
                 proc = ctx.Process(
-                    target=spawned_main, args=(rank, world_size, port, config, source, threads),
+                    target=worker_main, args=(rank, world_size, port, config, source, threads),
                     name=f"pagedkv-tp-rank{rank}", daemon=True,
                 )
                 proc.start()

@@ -46,7 +46,10 @@ class TensorParallelRunner:
     def launch(cls, config: Any, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int,
                from_config: bool) -> TensorParallelRunner:
         """Start (or, under torchrun, join) the ranks and shard ``model`` to rank 0's part; ``spec`` is per rank."""
-        group = TensorParallelGroup.launch(config, model, from_config)
+        group = TensorParallelGroup.launch(config, model, from_config, spawned_main)
+        if group.rank != 0:  # another process of a torchrun launch: serve rank 0's steps, then leave
+            serve(group, config, model)
+            raise SystemExit(0)
         return cls(ModelRunner(model, backend, spec, num_blocks, group.device), group, num_blocks)
 
     @property
@@ -79,6 +82,8 @@ class TensorParallelRunner:
         return logits
 
     def _guarded(self, action: Any) -> Any:
+        if self.group.closed:
+            raise TensorParallelError("this tensor-parallel engine was closed; make a new one")
         self.group.check_workers()
         try:
             return action()
