@@ -91,7 +91,8 @@ class TensorParallelGroup:
         self.device = device
         self.processes = processes
         self.scratch = scratch  # a temp dir holding an in-memory model's weights for the children
-        self.model_group: Any = dist.new_group(list(range(world_size)), timeout=collective_timeout())
+        self.timeout = collective_timeout()
+        self.model_group: Any = dist.new_group(list(range(world_size)), timeout=self.timeout)
         self.comm_seconds = 0.0  # time in collectives on this rank (steps' broadcasts and all-reduces)
         self.closed = False
         self.channel = StepChannel(torch.device(device) if device.startswith("cuda") else torch.device("cpu"))
@@ -220,7 +221,9 @@ class TensorParallelGroup:
 
     def fail(self, cause: BaseException | None) -> None:
         """Stop every rank and raise a :class:`TensorParallelError` that says which rank failed and how."""
-        time.sleep(0.05 if cause is not None else 0)  # let a dying child's exit code land
+        deadline = time.monotonic() + (1.0 if cause is not None else 0.0)
+        while time.monotonic() < deadline and all(p.is_alive() for p in self.processes):
+            time.sleep(0.02)  # a collective failed: let a dying child's exit code land
         dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
                 for i, p in enumerate(self.processes) if not p.is_alive()]
         what = "; ".join(dead) or f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
@@ -228,7 +231,7 @@ class TensorParallelGroup:
         raise TensorParallelError(
             f"tensor-parallel worker failure, the engine stopped: {what}"
             + ("" if dead else f" (a rank hung or failed; collective timeout "
-                                f"{TIMEOUT_ENV}={collective_timeout().total_seconds():g} s)")
+                                f"{TIMEOUT_ENV}={self.timeout.total_seconds():g} s)")
         ) from cause
 
     def close(self, notify: bool = True) -> None:

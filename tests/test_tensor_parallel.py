@@ -3,12 +3,14 @@
 Starting a rank costs seconds on a shared machine, so each model gets one 2-rank engine for the whole
 module, configured with prefix caching, copy-on-write and CPU swap all on and a cache small enough that
 requests are preempted and swapped; a 1-process engine with the same configuration and transformers'
-``generate`` are the references. The last tests kill a worker and check that no rank outlives its engine.
+``generate`` are the references. The last tests stop (hang) or kill a worker and check that no rank outlives
+its engine.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 
 from conftest import VOCAB, hf_greedy, random_prompts
 from pagedkv.core.config import EngineConfig
-from pagedkv.core.distributed import TensorParallelError
+from pagedkv.core.distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, TensorParallelError
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.sampling_params import SamplingParams
@@ -84,21 +86,28 @@ def _rank_children() -> list[int]:
     return pids
 
 
+HANG_TIMEOUT_S = 8
+
+
 @pytest.fixture(scope="module")
 def runs():
     """Per model: the 2-rank engine, its outputs and stats, and the 1-process reference. One process holds one
-    tensor-parallel engine at a time: the llama one is closed (its ranks' fate recorded), the qwen2 one is kept
-    open for the fault test."""
+    tensor-parallel engine at a time: the llama one is closed (its ranks' fate recorded), the qwen2 one (with a
+    short collective timeout) is kept open for the hang test."""
     found = {}
     for name, build in BUILDERS.items():
         single = _generate(Engine(EngineConfig(**SETTINGS), model=build()))
-        engine = Engine(EngineConfig(**SETTINGS, tensor_parallel_size=2), model=build())
+        os.environ[TIMEOUT_ENV] = str(HANG_TIMEOUT_S if name == "qwen2" else DEFAULT_TIMEOUT_S)
+        try:
+            engine = Engine(EngineConfig(**SETTINGS, tensor_parallel_size=2), model=build())
+        finally:
+            del os.environ[TIMEOUT_ENV]
         found[name] = (engine, _generate(engine), single, engine.plugin_stats())
         if name == "llama":
             workers = list(engine.runner.group.processes)
             alive_before = [w.is_alive() for w in workers]
             engine.close()
-            found["llama_close"] = (alive_before, [w.is_alive() for w in workers], _rank_children())
+            found["llama_close"] = (alive_before, [w.exitcode for w in workers], _rank_children())
     yield found
     found["qwen2"][0].close()
 
@@ -134,23 +143,37 @@ def test_kv_heads_not_divisible_is_a_config_error_before_any_rank_starts(tiny_mo
         EngineConfig(device="cpu", tensor_parallel_size=0)
 
 
-def test_a_killed_worker_ends_the_run_with_a_clear_error(runs):
-    engine = runs["qwen2"][0]
+def _fail_a_worker(engine: Engine, sig: int) -> tuple[TensorParallelError, float, object]:
     worker = engine.runner.group.processes[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.join(10)
+    os.kill(worker.pid, sig)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     started = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(TensorParallelError) as caught:
         while engine.has_unfinished():
             engine.step()
-    assert time.monotonic() - started < 30
+    return caught.value, time.monotonic() - started, worker
+
+
+def test_a_hung_worker_ends_the_step_with_a_clear_error_after_the_timeout(runs):
+    error, seconds, worker = _fail_a_worker(runs["qwen2"][0], signal.SIGSTOP)
+    assert "Timed out" in str(error) and f"{TIMEOUT_ENV}={HANG_TIMEOUT_S} s" in str(error)
+    assert HANG_TIMEOUT_S - 1 < seconds < HANG_TIMEOUT_S + 20
+    assert not worker.is_alive() and not torch.distributed.is_initialized()
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_error():
+    engine = Engine(EngineConfig(device="cpu", num_blocks=16, tensor_parallel_size=2), model=_tiny_llama())
+    error, seconds, worker = _fail_a_worker(engine, signal.SIGKILL)
+    assert re.search(r"rank 1 \(pid \d+\) exited with code -9", str(error))
+    assert seconds < 30
     assert not torch.distributed.is_initialized()
+    with pytest.raises(TensorParallelError, match="closed"):
+        engine.step()
 
 
 def test_no_rank_outlives_its_engine(runs):
     alive_before, alive_after, children_after = runs["llama_close"]
-    assert alive_before == [True] and alive_after == [False] and children_after == []
+    assert alive_before == [True] and alive_after == [0] and children_after == []  # exit code 0: a clean stop
     runs["qwen2"][0].close()  # (already stopped by the fault test; closing twice is harmless)
     assert _rank_children() == []
 
