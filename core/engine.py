@@ -126,7 +126,7 @@ class Engine:
         ) + tensor_parallel_note(c.tensor_parallel_size, self.spec, self.num_blocks)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at exit); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
