@@ -12,7 +12,7 @@ Scheduler steps run through ``Engine(config, runner=SimulatedRunner(SmolLM2 shap
 256-token prompts, prefilled by the simulator, then timed decode steps (one token each, nothing finishing).
 ``engine.step()`` is the whole CPU side of a step without the model (schedule, the stand-in runner, sampling of a
 one-column logits tensor, appending tokens, the finish checks, stats); ``scheduler.schedule()`` is timed
-inside it, and ``ModelRunner.build_metadata`` (the attention metadata a real step builds) is timed on the
+inside it, and ``ModelRunner.pack`` + ``build_metadata`` (the step batch and attention metadata) are timed on the
 same step's output. The baseline is one bare Python pass over the N running sequences reading two
 attributes, measured in the same test; ``per seq`` columns show whether the cost grows linearly.
 ``finish`` times ``scheduler.finish`` of 50 random running sequences (the list removal is O(N)).
@@ -186,7 +186,7 @@ def test_scheduler_step(benchmark, n):
     meta_times = []
     for _ in range(5):
         t = time.perf_counter()
-        ModelRunner.build_metadata(fake_runner, out)
+        ModelRunner.build_metadata(fake_runner, ModelRunner.pack(fake_runner, out))
         meta_times.append(time.perf_counter() - t)
     meta_s = statistics.median(meta_times)
 

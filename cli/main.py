@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
     run.add_argument("--device", default="auto", help="cpu, cuda or auto")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
     run.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
@@ -158,6 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_copy_on_write=args.enable_copy_on_write,
         swap_space=args.swap_space,
@@ -200,6 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         results = drive(engine, list(ids), sys.stdout if streaming else None,
                         progress=not streaming and _tty(sys.stderr), stop=lambda: stop.signum is not None)
     engine.stats.elapsed = time.perf_counter() - started
+    engine.close()
     if config.telemetry or config.trace:
         from pagedkv.plugins.telemetry import close as close_telemetry
 

@@ -85,6 +85,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "float32"
     device: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
     enable_prefix_caching: bool = False
     enable_copy_on_write: bool = False
     swap_space: int | str | None = None
@@ -128,5 +129,7 @@ class EngineConfig:
             self.swap_space = parse_bytes(self.swap_space)
             if self.swap_space < 0:
                 raise ConfigError("swap_space must be >= 0 bytes")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")

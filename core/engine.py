@@ -21,7 +21,7 @@ from pagedkv.core.engine_checks import check_kv_size, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
+from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks, tensor_parallel_note
 from pagedkv.core.kv_view import KVCacheView
 from pagedkv.core.logprobs import record_prompt_logprobs
 from pagedkv.core.plugin_guard import (
@@ -77,6 +77,7 @@ class Engine:
         allocator_entry = allocators.get(config.allocator)
         scheduler_entry = schedulers.get(config.scheduler)
         self.backend = None
+        from_config = model is None
         if runner is None:
             from pagedkv.core.model_loader import prepare_model
 
@@ -86,6 +87,11 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
+        if config.tensor_parallel_size > 1 and runner is None:  # each rank holds its share of the KV heads
+            from pagedkv.core.tensor_parallel import check_divisible, rank_spec
+
+            check_divisible(hf_config, config.tensor_parallel_size)
+            self.spec = rank_spec(self.spec, config.tensor_parallel_size)
         self.num_blocks = check_kv_size(
             decide_num_blocks(config, self.spec, model), self.spec.bytes_per_block, config, runner is None
         )
@@ -107,7 +113,13 @@ class Engine:
         self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
-        if runner is None:
+        if runner is None and config.tensor_parallel_size > 1:
+            from pagedkv.core.tp_runner import TensorParallelRunner
+
+            runner = TensorParallelRunner.launch(
+                config, model, self.backend, self.spec, self.num_blocks, from_config, self.swap_space
+            )
+        elif runner is None:
             from pagedkv.core.model_runner import ModelRunner
 
             runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device, self.swap_space)
@@ -141,7 +153,19 @@ class Engine:
                 f"{self.max_model_len} tokens at once")
         if self.max_model_len > 1024:
             line += f", or {self.capacity_tokens // 1024} of 1024 tokens"
-        return line
+        return line + tensor_parallel_note(self.config.tensor_parallel_size, self.spec, self.num_blocks)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- requests -------------------------------------------------------------------------------------
 

@@ -44,6 +44,17 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[
     ]
 
 
+def tensor_parallel_note(world_size: int, spec: KVCacheSpec, num_blocks: int) -> str:
+    """The capacity line's tail under tensor parallelism: the KV bytes per rank and in total."""
+    if world_size <= 1:
+        return ""
+    per_rank = num_blocks * spec.bytes_per_block
+    return (
+        f"; tensor parallel over {world_size} ranks, {spec.num_kv_heads} KV heads each: "
+        f"{per_rank / 2**20:.1f} MiB per rank, {world_size * per_rank / 2**20:.1f} MiB in total"
+    )
+
+
 # --- sizing: how many blocks, how long a request may be -------------------------------------------------------
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -52,7 +63,8 @@ DEFAULT_GPU_UTILIZATION = 0.9
 
 def decide_num_blocks(config: Any, spec: KVCacheSpec, model: Any = None) -> int:
     """Blocks for the configured budget: ``num_blocks``, else ``kv_cache_memory``, else (CUDA) what the
-    GPU has left after the model's largest step, else 1 GiB on CPU."""
+    GPU has left after the model's largest step, else 1 GiB on CPU. Under tensor parallelism ``spec`` is one
+    rank's share, so a byte budget is per rank (as in vLLM) and buys N times the blocks."""
     if config.num_blocks is not None:
         return config.num_blocks
     if config.kv_cache_memory is not None:

@@ -8,6 +8,7 @@ positions of requests that asked for prompt logprobs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,22 @@ from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedkv.core.logprobs import prompt_logprob_span
 from pagedkv.core.model_support import check_model_support
 from pagedkv.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs as plain lists, packed once per step: the tokens in one row, each sequence's
+    block table and lengths, and the step's block moves (swap pairs, copy-on-write copies)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    sample_rows: list[int]  # rows of the packed batch whose logits are wanted (sampling, then prompt logprobs)
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
 
 
 class ModelRunner:
@@ -35,27 +52,14 @@ class ModelRunner:
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 
-    def build_metadata(self, out: SchedulerOutput) -> AttentionMetadata:
-        return AttentionMetadata.build(
-            block_tables=[s.seq.block_table.blocks for s in out.scheduled],
-            context_lens=[s.context_len for s in out.scheduled],
-            query_lens=[s.num_new_tokens for s in out.scheduled],
-            block_size=self.spec.block_size,
-            device=self.device,
-        )
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns float32 logits ``[num_sampling_seqs, vocab]`` in scheduled order, followed
         by the rows of :func:`~pagedkv.core.logprobs.prompt_logprob_span` (requests asking for prompt logprobs)."""
-        # Order matters: blocks swapped out may be refilled by a swap-in or a copy of this same step.
-        if out.swap_out:
-            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches, torch.tensor(out.swap_out))
-        if out.swap_in:
-            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches, torch.tensor(out.swap_in))
-        if out.block_copies:
-            pairs = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
-            self.backend.copy_blocks(self.kv_caches, pairs)
+        return self.run(self.pack(out))
+
+    def pack(self, out: SchedulerOutput) -> StepBatch:
+        """The step as plain lists (what a tensor-parallel rank 0 sends to the other ranks)."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -68,13 +72,41 @@ class ModelRunner:
             positions.extend(range(item.context_len, item.context_len + item.num_new_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
-        meta = self.build_metadata(out)
+        return StepBatch(
+            input_ids, positions, sample_rows + prompt_rows,
+            block_tables=[s.seq.block_table.blocks for s in out.scheduled],
+            context_lens=[s.context_len for s in out.scheduled],
+            query_lens=[s.num_new_tokens for s in out.scheduled],
+            swap_out=list(out.swap_out), swap_in=list(out.swap_in), block_copies=list(out.block_copies),
+        )
+
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            block_tables=batch.block_tables,
+            context_lens=batch.context_lens,
+            query_lens=batch.query_lens,
+            block_size=self.spec.block_size,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Block moves, then the forward pass; logits at ``batch.sample_rows``."""
+        # Order matters: blocks swapped out may be refilled by a swap-in or a copy of this same step.
+        if batch.swap_out:
+            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches, torch.tensor(batch.swap_out))
+        if batch.swap_in:
+            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches, torch.tensor(batch.swap_in))
+        if batch.block_copies:
+            pairs = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(self.kv_caches, pairs)
+        meta = self.build_metadata(batch)
         step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches)
         result = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
             use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device),
             pagedkv_step=step,
         )
         return result.logits[0].float()
