@@ -114,7 +114,10 @@ class Engine:
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         if runner is None and config.tensor_parallel_size > 1:
+            from pagedkv.core.model_support import check_model_support
             from pagedkv.core.tp_runner import TensorParallelRunner
+
+            check_model_support(model)  # on the whole model, before it is sharded (a probe forward on one rank)
 
             runner = TensorParallelRunner.launch(
                 config, model, self.backend, self.spec, self.num_blocks, from_config, self.swap_space

@@ -39,9 +39,11 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str, swap_space: Any = None
+        self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str, swap_space: Any = None,
+        check_support: bool = True,
     ) -> None:
-        self.layer_attention = check_model_support(model)  # refuse what the engine would run wrongly, before anything
+        if check_support:  # refuse what the engine would run wrongly, before anything (a sharded model: checked whole)
+            check_model_support(model)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model

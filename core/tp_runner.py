@@ -51,7 +51,8 @@ class TensorParallelRunner:
         if group.rank != 0:  # another process of a torchrun launch: serve rank 0's steps, then leave
             serve(group, config, model)
             raise SystemExit(0)
-        return cls(ModelRunner(model, backend, spec, num_blocks, group.device, swap_space), group, num_blocks)
+        runner = ModelRunner(model, backend, spec, num_blocks, group.device, swap_space, check_support=False)
+        return cls(runner, group, num_blocks)
 
     @property
     def model_config(self) -> Any:
@@ -98,7 +99,7 @@ def serve(group: TensorParallelGroup, config: Any, model: Any) -> None:
     if hello is None:  # rank 0 stopped before its first step
         return
     spec = rank_spec(KVCacheSpec.from_model_config(model.config, config.block_size, config.dtype), group.world_size)
-    runner = ModelRunner(model, backend.factory(config), spec, hello["num_blocks"], group.device)
+    runner = ModelRunner(model, backend.factory(config), spec, hello["num_blocks"], group.device, check_support=False)
     runner.cpu_kv_caches = _cpu_pool(spec, hello["cpu_blocks"], group.device)  # its share of the swap space
     group.ready()
     with torch.inference_mode():
