@@ -21,7 +21,7 @@ from pagedkv.core.engine_checks import check_kv_size, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks, tensor_parallel_note
+from pagedkv.core.kv_cache import KVCacheSpec, capacity_line, decide_max_model_len, decide_num_blocks
 from pagedkv.core.kv_view import KVCacheView
 from pagedkv.core.logprobs import record_prompt_logprobs
 from pagedkv.core.plugin_guard import (
@@ -33,9 +33,9 @@ from pagedkv.core.plugin_guard import (
     configure_plugins,
     startup_fault,
 )
-from pagedkv.core.plugin_manager import build_registry, has_impls, make_plugin_manager
+from pagedkv.core.plugin_manager import chosen_components, has_impls, make_plugin_manager
 from pagedkv.core.request_check import check_prompt
-from pagedkv.core.runner import Runner
+from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_batch import SamplingBatch
 from pagedkv.core.sampling_params import SamplingParams
@@ -66,16 +66,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.pm = make_plugin_manager(plugins)
         configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
-        backends, allocators, schedulers = (
-            build_registry(self.pm, kind, f"pagedkv_register_{kind}s", startup_fault)
-            for kind in ("backend", "allocator", "scheduler")
-        )
-        if config.backend == "auto":  # the compiled CPU kernel on CPU (it falls back to torch without g++)
-            config.backend = "cpu" if config.device == "cpu" and "cpu" in backends.names() else "torch"
-        # each registry's entry for the configured name: a bad name fails before anything is loaded
-        backend_entry = backends.get(config.backend)
-        allocator_entry = allocators.get(config.allocator)
-        scheduler_entry = schedulers.get(config.scheduler)
+        backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
         self.backend = None
         from_config = model is None
         if runner is None:
@@ -113,19 +104,8 @@ class Engine:
         self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
-        if runner is None and config.tensor_parallel_size > 1:
-            from pagedkv.core.model_support import check_model_support
-            from pagedkv.core.tp_runner import TensorParallelRunner
-
-            check_model_support(model)  # on the whole model, before it is sharded (a probe forward on one rank)
-
-            runner = TensorParallelRunner.launch(
-                config, model, self.backend, self.spec, self.num_blocks, from_config, self.swap_space
-            )
-        elif runner is None:
-            from pagedkv.core.model_runner import ModelRunner
-
-            runner = ModelRunner(model, self.backend, self.spec, self.num_blocks, config.device, self.swap_space)
+        if runner is None:
+            runner = make_runner(config, model, self.backend, self.spec, self.num_blocks, self.swap_space, from_config)
         self.runner = runner
         self.sampler = Sampler(config.seed)
         self.stats = RunStats()
@@ -148,15 +128,7 @@ class Engine:
 
     def capacity_line(self) -> str:
         """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
-        size = self.num_blocks * self.spec.bytes_per_block
-        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-        fits = self.capacity_tokens // self.max_model_len
-        line = (f"KV cache: {self.num_blocks} blocks of {self.config.block_size} tokens = {self.capacity_tokens} "
-                f"tokens ({size_text}); room for about {fits} request{'s' if fits != 1 else ''} of "
-                f"{self.max_model_len} tokens at once")
-        if self.max_model_len > 1024:
-            line += f", or {self.capacity_tokens // 1024} of 1024 tokens"
-        return line + tensor_parallel_note(self.config.tensor_parallel_size, self.spec, self.num_blocks)
+        return capacity_line(self.num_blocks, self.spec, self.max_model_len, self.config.tensor_parallel_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""

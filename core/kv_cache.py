@@ -44,6 +44,19 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[
     ]
 
 
+def capacity_line(num_blocks: int, spec: KVCacheSpec, max_model_len: int, world_size: int = 1) -> str:
+    """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
+    tokens = num_blocks * spec.block_size
+    size = num_blocks * spec.bytes_per_block
+    size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    fits = tokens // max_model_len
+    line = (f"KV cache: {num_blocks} blocks of {spec.block_size} tokens = {tokens} tokens ({size_text}); room for "
+            f"about {fits} request{'s' if fits != 1 else ''} of {max_model_len} tokens at once")
+    if max_model_len > 1024:
+        line += f", or {tokens // 1024} of 1024 tokens"
+    return line + tensor_parallel_note(world_size, spec, num_blocks)
+
+
 def tensor_parallel_note(world_size: int, spec: KVCacheSpec, num_blocks: int) -> str:
     """The capacity line's tail under tensor parallelism: the KV bytes per rank and in total."""
     if world_size <= 1:

@@ -112,3 +112,4 @@ class ModelRunner:
             pagedkv_step=step,
         )
         return result.logits[0].float()
+

@@ -262,3 +262,15 @@ def build_registry(
 
 def has_impls(pm: pluggy.PluginManager, hook_name: str) -> bool:
     return bool(getattr(pm.hook, hook_name).get_hookimpls())
+
+
+def chosen_components(pm: pluggy.PluginManager, config: Any, on_fault: Any = None) -> tuple[Any, Any, Any]:
+    """The registry entries of ``config``'s backend, allocator and scheduler (a bad name fails here, before
+    anything is loaded). ``backend="auto"`` becomes the compiled CPU kernel on CPU when registered, else torch."""
+    backends, allocators, schedulers = (
+        build_registry(pm, kind, f"pagedkv_register_{kind}s", on_fault)
+        for kind in ("backend", "allocator", "scheduler")
+    )
+    if config.backend == "auto":
+        config.backend = "cpu" if config.device == "cpu" and "cpu" in backends.names() else "torch"
+    return backends.get(config.backend), allocators.get(config.allocator), schedulers.get(config.scheduler)

@@ -23,3 +23,17 @@ class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> Any:
         """Logits ``[num_sampling_seqs, vocab]`` in scheduled order, one row per sequence that samples."""
         ...
+
+
+def make_runner(config: Any, model: Any, backend: Any, spec: Any, num_blocks: int, swap_space: Any,
+                from_config: bool) -> Any:
+    """The runner for a real model: one process, or rank 0 of ``config.tensor_parallel_size`` ranks."""
+    from pagedkv.core.model_runner import ModelRunner
+
+    if config.tensor_parallel_size <= 1:
+        return ModelRunner(model, backend, spec, num_blocks, config.device, swap_space)
+    from pagedkv.core.model_support import check_model_support
+    from pagedkv.core.tp_runner import TensorParallelRunner
+
+    check_model_support(model)  # on the whole model, before it is sharded (a probe forward on one rank would hang)
+    return TensorParallelRunner.launch(config, model, backend, spec, num_blocks, from_config, swap_space)
