@@ -181,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if not args.json:  # the arguments are fine: say what the wait is for
         what = args.model or "SmolLM2-135M-Instruct"
-        print(f"engine: loading {what} ({config.backend} backend, {config.device})...", file=sys.stderr, flush=True)
+        print(f"engine: loading {what} ({config.backend} backend, {config.device})...", flush=True)  # (stderr: errors)
     engine = Engine(config)
     if not args.json:
         print(engine.capacity_line(), flush=True)
