@@ -45,7 +45,7 @@ def sampling_extras(body: Mapping[str, Any], chat: bool, vocab_size: int | None 
             raise FieldError("logprobs", f"logprobs must be true or false for chat, got {wants!r}")
         if top is not None:
             top = _count("top_logprobs", top, 0, MAX_LOGPROBS)
-            if not wants:
+            if top and not wants:
                 raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if wants:
             kwargs["logprobs"] = top or 0
