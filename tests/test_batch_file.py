@@ -167,3 +167,13 @@ def test_sampling_fields_are_read_as_engine_serve_reads_them(wide_llama, chat_to
     biased = _direct(wide_llama, chat_tokenizer, [5, 6, 7], max_tokens=8, ignore_eos=True, logit_bias={forced: 3.0})
     assert biased.token_ids == [forced] * 8
     assert 1 <= pen.token_ids.count(forced) < 8
+
+
+def test_the_batch_runner_reads_serves_fields_without_importing_the_server_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.cli.batch_file; "
+            "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -116,6 +116,19 @@ def test_streamed_logprobs_concatenate_to_the_non_streamed_ones(client):
     assert [t for p in parts for t in p.text_offset] == expected.text_offset
 
 
+def test_each_streamed_choice_carries_its_own_logprobs(client):
+    ask = {"model": MODEL, "prompt": [PROMPT, "Hello world!"], "max_tokens": 8, "n": 2, "logprobs": 1, **GREEDY}
+    whole = client.completions.create(**ask)
+    streamed: dict[int, list[float]] = {}
+    for c in client.completions.create(stream=True, **ask):
+        for choice in c.choices:
+            if choice.logprobs:
+                streamed.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert len(whole.choices) == 4
+    assert streamed == {c.index: c.logprobs.token_logprobs for c in whole.choices}
+    assert streamed[0] == streamed[1] and streamed[0] != streamed[2]  # greedy twins; another prompt
+
+
 def test_logit_bias_of_plus_100_forces_the_token_and_minus_100_bans_it(client, tokenizer, reference):
     forced = tokenizer.convert_tokens_to_ids("a")
     result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logit_bias={str(forced): 100},
