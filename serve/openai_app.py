@@ -162,8 +162,9 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"context of {limit} tokens")
     try:
         params = body.sampling_params(max_tokens, state.vocab_size)
-    except RequestRejected as exc:
-        raise InvalidField(None, str(exc)) from exc
+    except RequestRejected as exc:  # the engine's checks start their message with the field's name
+        name = str(exc).split(" ", 1)[0]
+        raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)

@@ -186,6 +186,7 @@ def test_prompt_logprobs_come_back_per_prompt_token(client, tokenizer, reference
     ("completions", {"prompt": "x", "logit_bias": {"5": "lots"}}, "logit_bias"),
     ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "x", "seed": -1}, "seed"),
     ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {"prompt": "x", "prompt_logprobs": 99}, "prompt_logprobs"),
     ("completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
