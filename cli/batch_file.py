@@ -4,6 +4,8 @@ Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completion
 "/v1/completions", "body": {...}}``. Each output line is ``{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
 crash loses nothing that had finished. A bad line gets an error line of its own; the rest run.
+The penalty, bias and logprob fields are read exactly as ``engine serve`` reads them
+(``serve/sampling_fields.py``), and logprobs come back in the same OpenAI shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
+from pagedkv.serve.sampling_fields import sampling_extras
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -24,10 +28,11 @@ COMPLETIONS_URL = "/v1/completions"
 _PARAM_FIELDS = {
     "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
     "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "top_k": "top_k", "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
+    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
 }
+# read by sampling_extras (shared with engine serve)
+_EXTRA_FIELDS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                 "top_logprobs", "prompt_logprobs"}
 _IGNORED_FIELDS = {"model", "user", "stream", "stream_options", "messages", "prompt"}
 
 
@@ -44,7 +49,7 @@ class BatchRequest:
     engine_ids: list[str] = field(default_factory=list)
 
 
-def parse_line(line: str, tokenizer: Any, default_max_tokens: int) -> BatchRequest:
+def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None) -> BatchRequest:
     """Check one input line and turn its body into token ids and sampling parameters."""
     try:
         item = json.loads(line)
@@ -61,7 +66,7 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int) -> BatchReque
         raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise BatchLineError(f"{custom_id}: 'body' must be an object")
-    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _IGNORED_FIELDS)
+    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS)
     if unknown:
         raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
@@ -71,8 +76,9 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int) -> BatchReque
     if isinstance(kwargs.get("stop"), str):
         kwargs["stop"] = [kwargs["stop"]]
     try:
+        kwargs.update(sampling_extras(body, url == CHAT_URL, vocab_size))
         params = SamplingParams(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
         raise BatchLineError(f"{custom_id}: {exc}") from None
     prompts = _chat_prompt(custom_id, body, tokenizer) if url == CHAT_URL else _completion_prompts(custom_id, body,
                                                                                                    tokenizer)
@@ -119,21 +125,25 @@ def error_line(custom_id: str | None, message: str, status_code: int = 400) -> d
     }
 
 
-def response_line(request: BatchRequest, outputs: list[Any], model_name: str) -> dict:
-    """The OpenAI response object for a finished request (``outputs``: one RequestOutput per prompt)."""
+def response_line(request: BatchRequest, outputs: list[Any], model_name: str, texts: TokenTexts | None = None) -> dict:
+    """The OpenAI response object for a finished request (``outputs``: one RequestOutput per prompt);
+    ``texts`` spells the tokens of the logprobs, when the request asked for them."""
     failed = [c.error or "request failed" for out in outputs for c in out.outputs if c.finish_reason == "error"]
     if failed:
         return error_line(request.custom_id, failed[0], status_code=500)
     chat = request.url == CHAT_URL
+    texts = texts or TokenTexts(None)
     choices = []
     for out in outputs:
         for c in out.outputs:
             choice: dict[str, Any] = {"index": len(choices), "finish_reason": _finish_reason(c.finish_reason),
-                                      "logprobs": None}
+                                      "logprobs": _logprobs(request.params, c, chat, texts)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
+                if out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, texts)
             choices.append(choice)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -146,8 +156,18 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str) ->
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+    if chat and outputs[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, texts)
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
             "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
+
+
+def _logprobs(params: SamplingParams, completion: Any, chat: bool, texts: TokenTexts) -> Any:
+    if params.logprobs is None or completion.logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(completion.token_ids, completion.logprobs, params.logprobs, texts)
+    return completion_logprobs(completion.token_ids, completion.logprobs, params.logprobs, texts)
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -166,11 +186,12 @@ def run_batch(
 
     pending: dict[str, tuple[BatchRequest, dict[str, Any]]] = {}  # engine request id -> (request, outputs so far)
     ok = bad = 0
+    texts = TokenTexts(engine.tokenizer)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            request = parse_line(line, engine.tokenizer, default_max_tokens)
+            request = parse_line(line, engine.tokenizer, default_max_tokens, engine.vocab_size)
         except BatchLineError as exc:
             write(error_line(_custom_id_of(line), f"line {number}: {exc}"))
             bad += 1
@@ -192,7 +213,7 @@ def run_batch(
             request, results = pending.pop(out.request_id)
             results[out.request_id] = out
             if len(results) == len(request.engine_ids):
-                line = response_line(request, [results[r] for r in request.engine_ids], model_name)
+                line = response_line(request, [results[r] for r in request.engine_ids], model_name, texts)
                 write(line)
                 ok, bad = (ok + 1, bad) if line["error"] is None else (ok, bad + 1)
                 if on_finish is not None:

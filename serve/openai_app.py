@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.protocol import (
     ChatCompletionRequest,
@@ -55,6 +56,7 @@ class ServerState:
         self.max_model_len = core.max_model_len
         self.vocab_size = core.vocab_size
         self.created = self.created or int(time.time())
+        self.token_texts = TokenTexts(self.tokenizer)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -159,12 +161,13 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"max_tokens ({max_tokens}) + the prompt ({longest} tokens) is above this model's "
                            f"context of {limit} tokens")
     try:
-        params = body.sampling_params(max_tokens)
-    except RequestRejected as exc:
-        raise InvalidField(None, str(exc)) from exc
+        params = body.sampling_params(max_tokens, state.vocab_size)
+    except RequestRejected as exc:  # the engine's checks start their message with the field's name
+        name = str(exc).split(" ", 1)[0]
+        raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
-              max((len(s) for s in params.stop), default=1) - 1, state.metrics)
+              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)
     try:
         for index, ids in enumerate(prompts):
             job.handles.append(await state.engine.add(ids, params, f"{response_id}-{index}"))

@@ -2,7 +2,8 @@
 
 Every field is checked here, so a bad one answers 400 naming it before any work is
 queued. Unknown fields are ignored (as vLLM does); fields OpenAI defines that pagedkv
-cannot honour (logprobs, penalties, tools, ...) are refused by name rather than ignored.
+cannot honour (echo, suffix, tools, ...) are refused by name rather than ignored. The
+penalty, bias and logprob fields go through ``sampling_fields`` (shared with batch files).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.serve.sampling_fields import FieldError, sampling_extras
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +40,10 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -50,26 +55,32 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Fields with an OpenAI meaning pagedkv does not implement: a 400 beats a silently different answer."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidField(name, f"{name} is not supported by pagedkv (only 0)")
-        if self.logit_bias:
-            raise InvalidField("logit_bias", "logit_bias is not supported by pagedkv")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
         if self.stream_options is not None and not self.stream:
             raise InvalidField("stream_options", "stream_options is only allowed when stream is true")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
         if self.min_tokens > max_tokens:
             raise InvalidField("min_tokens", f"min_tokens ({self.min_tokens}) is above max_tokens ({max_tokens})")
+        try:
+            extras = sampling_extras(self.model_dump(include=_EXTRA_FIELDS), isinstance(self, ChatCompletionRequest),
+                                     vocab_size)
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
             seed=self.seed, n=self.n, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens, **extras,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_EXTRA_FIELDS = {"presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", "logit_bias", "logprobs",
+                 "top_logprobs", "prompt_logprobs"}
 
 
 class CompletionRequest(_Common):
@@ -84,8 +95,6 @@ class CompletionRequest(_Common):
         super().refuse_unsupported()
         if self.echo:
             raise InvalidField("echo", "echo is not supported by pagedkv")
-        if self.logprobs is not None:
-            raise InvalidField("logprobs", "logprobs are not supported by pagedkv")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", "best_of is not supported by pagedkv (leave it unset or equal to n)")
         if self.suffix:
@@ -136,8 +145,6 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise InvalidField("logprobs", "logprobs are not supported by pagedkv")
         if self.tools:
             raise InvalidField("tools", "tool calling is not supported by pagedkv")
         if self.tool_choice not in (None, "none"):

@@ -3,7 +3,8 @@
 A request here is one or more engine requests (one per prompt, each with ``n`` samples);
 choice ``i`` of prompt ``p`` is OpenAI choice ``p * n + i``. Streams send only new text
 per chunk; with stop strings the last ``len(stop) - 1`` characters wait until the next
-output, so text that turns out to be the start of a stop string is never sent.
+output, so text that turns out to be the start of a stop string is never sent. With
+``logprobs``, each chunk carries the logprobs of the tokens that arrived since the last chunk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
+from pagedkv.serve.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.protocol import error_body
 
 
@@ -31,12 +33,23 @@ class Job:
     prompt_tokens: int
     holdback: int  # characters held back while streaming (longest stop string - 1)
     metrics: Any
+    logprobs: int | None = None  # top-k alternatives per token when the request asked for logprobs
+    texts: Any = None  # TokenTexts: each token's own text and bytes, for the logprobs
     arrival: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
+
+    def logprobs_of(self, completion: Any, start: int = 0, end: int | None = None, offset: int = 0) -> Any:
+        """The OpenAI logprobs object for tokens ``start:end`` of a choice (None unless asked for)."""
+        if self.logprobs is None or completion.logprobs is None:
+            return None
+        ids, entries = completion.token_ids[start:end], completion.logprobs[start:end]
+        if self.chat:
+            return chat_logprobs(ids, entries, self.logprobs, self.texts)
+        return completion_logprobs(ids, entries, self.logprobs, self.texts, offset)
 
 
 class _Timer:
@@ -122,17 +135,21 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
             if (error := _error_of(c)) is not None:
                 return 500, error_body(error, "internal_server_error", code=500)
             completion_tokens += len(c.token_ids)
-            choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": None,
+            choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": job.logprobs_of(c),
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
+                if finals[p].prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(finals[p].prompt_logprobs, job.texts)
             choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     body = {"id": job.response_id, "object": "chat.completion" if job.chat else "text_completion",
             "created": job.created, "model": job.model, "choices": choices,
             "usage": _usage(job.prompt_tokens, completion_tokens)}
+    if job.chat and finals and finals[0].prompt_logprobs is not None:  # vLLM puts chat's at the top level
+        body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, job.texts)
     return 200, body
 
 
@@ -148,15 +165,26 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
     sent: dict[int, int] = {}  # choice index -> characters sent
     done: set[int] = set()
     tokens: dict[int, int] = {}
+    logprobs_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs went out
+    text_offset: dict[int, int] = {}  # choice index -> characters of token text so far (legacy text_offset)
 
-    def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False) -> str:
+    def new_logprobs(index: int, c: Any) -> Any:
+        start, end = logprobs_sent.get(index, 0), len(c.token_ids)
+        logprobs_sent[index] = end
+        result = job.logprobs_of(c, start, end, text_offset.get(index, 0))
+        if result is not None and not job.chat:
+            text_offset[index] = text_offset.get(index, 0) + sum(map(len, result["tokens"]))
+        return result
+
+    def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False,
+              logprobs: Any = None) -> str:
         if job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
         return _sse({**head, "choices": [choice], **usage_field})
@@ -182,9 +210,9 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                     sent[index] = end
                     if finished:
                         done.add(index)
-                        yield chunk(index, text, c.finish_reason, c.stop_reason)
+                        yield chunk(index, text, c.finish_reason, c.stop_reason, logprobs=new_logprobs(index, c))
                     elif text:
-                        yield chunk(index, text, None)
+                        yield chunk(index, text, None, logprobs=new_logprobs(index, c))
         except RequestFailed as exc:
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
             yield "data: [DONE]\n\n"

@@ -108,3 +108,72 @@ def test_chat_line_on_a_model_without_chat_template_is_an_error_line(wide_llama,
              _line("p", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})]
     assert run_batch(_engine(wide_llama, plain), lines, written.append, "tiny") == (1, 1)
     assert "chat template" in written[0]["error"]["message"]
+
+
+def _direct(model, tokenizer, prompt, **params):
+    from pagedkv.core.sampling_params import SamplingParams
+
+    engine = _engine(model, tokenizer)
+    engine.add_request(list(prompt), SamplingParams(**params))
+    finished = []
+    while engine.has_unfinished():
+        finished += [out for out in engine.step(stream=False) if out.finished]
+    return finished[0].outputs[0]
+
+
+def test_sampling_fields_are_read_as_engine_serve_reads_them(wide_llama, chat_tokenizer):
+    from pagedkv.core.llm import apply_chat_template
+
+    forced = chat_tokenizer(" the", add_special_tokens=False)["input_ids"][0]
+    # a +3 bias makes the random model repeat one token; the penalties must break that repetition
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3, "min_p": 0.05,
+                 "logit_bias": {str(forced): 3.0}}
+    hi = [{"role": "user", "content": "Hi"}]
+    lines = [
+        _line("lp", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2, "ignore_eos": True}),
+        _line("chat-lp", "/v1/chat/completions", {"messages": hi, "max_tokens": 4, "logprobs": True,
+                                                  "top_logprobs": 3, "ignore_eos": True}),
+        _line("bias", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "logit_bias": {str(forced): 100}}),
+        _line("pen", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, **penalties}),
+        _line("bad-bias", "/v1/completions", {"prompt": [5], "logit_bias": {"not-an-id": 1}}),
+        _line("bad-bias-id", "/v1/completions", {"prompt": [5], "logit_bias": {str(len(chat_tokenizer) + 5): 1}}),
+        _line("bad-pen", "/v1/completions", {"prompt": [5], "presence_penalty": 9}),
+        _line("bad-top", "/v1/chat/completions", {"messages": hi, "top_logprobs": 2}),
+    ]
+    written = []
+    assert run_batch(_engine(wide_llama, chat_tokenizer), lines, written.append, "tiny") == (4, 4)
+    by_id = {line["custom_id"]: line for line in written}
+    for failed, field in (("bad-bias", "logit_bias"), ("bad-bias-id", "logit_bias"), ("bad-pen", "presence_penalty"),
+                          ("bad-top", "top_logprobs")):
+        assert field in by_id[failed]["error"]["message"], by_id[failed]
+
+    lp = by_id["lp"]["response"]["body"]["choices"][0]["logprobs"]
+    direct = _direct(wide_llama, chat_tokenizer, [5, 6, 7], max_tokens=4, ignore_eos=True, logprobs=2)
+    assert lp["token_logprobs"] == pytest.approx([e[t] for t, e in zip(direct.token_ids, direct.logprobs)], abs=1e-5)
+    assert lp["tokens"] == [chat_tokenizer.decode([t]) for t in direct.token_ids]
+    assert all(len(top) <= 2 and list(top.values()) == sorted(top.values(), reverse=True) for top in lp["top_logprobs"])
+
+    content = by_id["chat-lp"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    prompt = apply_chat_template(chat_tokenizer, hi)
+    direct = _direct(wide_llama, chat_tokenizer, prompt, max_tokens=4, ignore_eos=True, logprobs=3)
+    assert [item["logprob"] for item in content] == pytest.approx(
+        [e[t] for t, e in zip(direct.token_ids, direct.logprobs)], abs=1e-5)
+    assert all(len(item["top_logprobs"]) == 3 for item in content)
+
+    assert by_id["bias"]["response"]["body"]["choices"][0]["text"] == " the" * 3
+    direct_params = {**penalties, "logit_bias": {forced: 3.0}}
+    pen = _direct(wide_llama, chat_tokenizer, [5, 6, 7], max_tokens=8, ignore_eos=True, **direct_params)
+    assert by_id["pen"]["response"]["body"]["choices"][0]["text"] == pen.text
+    biased = _direct(wide_llama, chat_tokenizer, [5, 6, 7], max_tokens=8, ignore_eos=True, logit_bias={forced: 3.0})
+    assert biased.token_ids == [forced] * 8
+    assert 1 <= pen.token_ids.count(forced) < 8
+
+
+def test_the_batch_runner_reads_serves_fields_without_importing_the_server_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.cli.batch_file; "
+            "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
