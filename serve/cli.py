@@ -20,7 +20,9 @@ log = logging.getLogger("pagedkv.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--model", default=None, help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    a("--model", default=None,
+      help="local HF model dir, .gguf, or cached hub id org/name (default: SmolLM2-135M-Instruct)")
+    a("--revision", default=None, help="branch, tag or commit of a cached hub model")
     a("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     a("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     a("--port", type=int, default=8000)
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--shutdown-timeout", type=float, default=10.0,
       help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort'")
     a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    a("--backend", default="torch", help="attention backend: torch, triton, cupy, ...")
+    a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
+    a("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
     a("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
     a("--block-size", type=int, default=16)
     budget = parser.add_mutually_exclusive_group()
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     config = EngineConfig(
-        model=args.model, backend=args.backend, allocator=args.allocator, block_size=args.block_size,
+        model=args.model, revision=args.revision, backend=args.backend,
+        tensor_parallel_size=args.tensor_parallel_size, allocator=args.allocator, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
@@ -85,11 +89,14 @@ def run(args: argparse.Namespace) -> int:
                          api_key=args.api_key or os.environ.get("PAGEDKV_API_KEY") or None,
                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
-    server.run()
-    if config.telemetry or config.trace:
-        from pagedkv.plugins.telemetry import close as close_telemetry
+    try:
+        server.run()
+    finally:
+        if config.telemetry or config.trace:
+            from pagedkv.plugins.telemetry import close as close_telemetry
 
-        close_telemetry(engine)
+            close_telemetry(engine)
+        engine.close()  # tensor-parallel workers, if any
     return 0
 
 
