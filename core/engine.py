@@ -116,7 +116,7 @@ class Engine:
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
-        self._seq_keys_issued = itertools.count()  # a sequence's sampler key (n > 1: one per sample)
+        self._next_key = 0  # sampler keys: a request reserves n in a row (sample i gets the first + i)
         self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
@@ -169,13 +169,15 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        first_key = self._next_key  # reserved before any plugin runs: a later request's keys never depend on it
+        self._next_key += params.n
         try:
             fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
         except PluginFault as fault:
             raise RequestRejected(str(fault)) from fault
         seqs = []
         for index in range(1 if fork else params.n):
-            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt))
+            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt, first_key + index))
         if fork:
             seqs[0].pending_forks = params.n - 1
         self._groups[request_id] = seqs
@@ -187,9 +189,9 @@ class Engine:
         return request_id
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
-                      text: str | None, cache_salt: str | None) -> Sequence:
+                      text: str | None, cache_salt: str | None, key: int) -> Sequence:
         seq = Sequence.sample_of(request_id, token_ids, params, index, self.max_model_len, text, cache_salt)
-        self._seq_keys[seq.seq_id] = next(self._seq_keys_issued)
+        self._seq_keys[seq.seq_id] = key
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -314,9 +316,9 @@ class Engine:
         children = []
         for _ in range(parent.pending_forks):
             # parent.params carries seed + 0, so sample i gets seed + i as in an unforked request
-            child = self._new_sequence(
-                parent.request_id, parent.prompt_token_ids, parent.params, len(group), parent.prompt, parent.cache_salt
-            )
+            index = len(group)
+            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params, index, parent.prompt,
+                                       parent.cache_salt, self._seq_keys[parent.seq_id] + index)
             self.allocator.fork(parent, child)
             child.num_computed_tokens = computed
             self.scheduler.add_running(child)
