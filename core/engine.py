@@ -4,6 +4,12 @@ One step is a straight line, as in vLLM and nano-vllm: the scheduler decides the
 the runner computes it, the sampler draws tokens, and the scheduler's
 ``update_from_output`` does the bookkeeping (counters, full blocks, finishes); the
 engine then reports outputs and events.
+
+A step is transactional per request: whatever fails for one request after the model ran
+(its sampling, its prompt logprobs, its stop check, building its output) ends that request
+alone with finish reason ``"error"``, and every other request's state is what it would be
+without the failure. A failing forward pass is not one request's: ``step`` raises, with no
+counter advanced (see :meth:`Engine.step`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.kv_cache import KVCacheSpec, capacity_line, decide_max_model_len, decide_num_blocks
 from pagedkv.core.kv_view import KVCacheView
-from pagedkv.core.logprobs import record_prompt_logprobs
+from pagedkv.core.logprobs import prompt_logprob_span, record_prompt_logprobs
 from pagedkv.core.plugin_guard import (
     Observers,
     PluginFault,
@@ -113,7 +119,8 @@ class Engine:
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
-        self._seq_keys_issued = itertools.count()  # a sequence's sampler key (n > 1: one per sample)
+        self._next_key = 0  # sampler keys: a request reserves n in a row (sample i gets the first + i)
+        self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
@@ -169,13 +176,15 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        first_key = self._next_key  # reserved before any plugin runs: a later request's keys never depend on it
+        self._next_key += params.n
         try:
             fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
         except PluginFault as fault:
             raise RequestRejected(str(fault)) from fault
         seqs = []
         for index in range(1 if fork else params.n):
-            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt))
+            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt, first_key + index))
         if fork:
             seqs[0].pending_forks = params.n - 1
         self._groups[request_id] = seqs
@@ -187,9 +196,9 @@ class Engine:
         return request_id
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
-                      text: str | None, cache_salt: str | None) -> Sequence:
+                      text: str | None, cache_salt: str | None, key: int) -> Sequence:
         seq = Sequence.sample_of(request_id, token_ids, params, index, self.max_model_len, text, cache_salt)
-        self._seq_keys[seq.seq_id] = next(self._seq_keys_issued)
+        self._seq_keys[seq.seq_id] = key
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -211,7 +220,12 @@ class Engine:
     @torch.inference_mode()
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one engine step. Returns outputs of requests that finished (and, if
-        ``stream``, of those that produced a token)."""
+        ``stream``, of those that produced a token).
+
+        If the model's forward pass raises, so does ``step``: no sequence's counters moved, so a later
+        step recomputes the same tokens (the step's swaps and copy-on-write copies ran before the forward
+        pass; if those raise, the device's KV cache cannot be trusted and the engine should be dropped).
+        """
         return self._step(stream)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
@@ -220,7 +234,12 @@ class Engine:
         touched: dict[str, None] = {}
         if not out.is_empty:
             logits = self.runner.execute(out)
+            self._faults.clear()
             update = scheduler.update_from_output(out, self._sample(out, logits))
+            for seq, fault in self._faults.items():  # advanced with the rest (their KV is written), no token
+                if not seq.is_finished:
+                    scheduler.fail(seq, fault)
+            self._faults.clear()
             self.stats.prefill_tokens_computed += update.prefill_tokens
             self.stats.generated_tokens += update.generated
             self.stats.finished += update.finished
@@ -241,19 +260,46 @@ class Engine:
         seqs, rows = self._sampling(out)
         sampling_rows = rows[-1] + 1 if rows else 0
         if logits.shape[0] > sampling_rows:  # rows past the sampling ones: prompt logprobs
-            record_prompt_logprobs(out.scheduled, logits[sampling_rows:])
+            self._prompt_logprobs(out, logits[sampling_rows:])
             logits = logits[:sampling_rows]
         return self._draw(seqs, rows, logits)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Each request's prompt logprobs from its own rows; one that fails ends that request alone."""
+        offset = 0
+        for item in out.scheduled:
+            start, end = prompt_logprob_span(item)
+            if start == end:
+                continue
+            try:
+                record_prompt_logprobs([item], logits[offset : offset + end - start])
+            except Exception as exc:  # noqa: BLE001 - not the other requests' problem
+                self._fault(item.seq, "prompt logprobs", exc)
+            offset += end - start
+
+    def _fault(self, seq: Sequence, what: str, exc: Exception) -> None:
+        """``seq`` failed after the model ran; the step fails it once its bookkeeping is done."""
+        self._faults.setdefault(seq, RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}"))
 
     def _draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Sample]:
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        banned = [self.stop_check.banned(s) if s.params.min_tokens else () for s in seqs]
+        banned = []
+        for seq in seqs:
+            try:
+                banned.append(self.stop_check.banned(seq) if seq.params.min_tokens else ())
+            except Exception as exc:  # noqa: BLE001 - this row fails below, alone
+                banned.append(())
+                self._fault(seq, "sampling", exc)
         batch = SamplingBatch.of(seqs, banned, [self._seq_keys[s.seq_id] for s in seqs])
         result = self.sampler.sample(logits, batch)
-        return list(zip(seqs, result.tokens, result.logprobs))
+        for seq, exc in zip(seqs, result.errors):
+            if exc is not None:
+                self._fault(seq, "sampling", exc)
+        faults = self._faults
+        return [sample for sample in zip(seqs, result.tokens, result.logprobs) if sample[0] not in faults]
 
     def _sampling(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample and their logits rows (forked samples split off first: they share
@@ -277,9 +323,9 @@ class Engine:
         children = []
         for _ in range(parent.pending_forks):
             # parent.params carries seed + 0, so sample i gets seed + i as in an unforked request
-            child = self._new_sequence(
-                parent.request_id, parent.prompt_token_ids, parent.params, len(group), parent.prompt, parent.cache_salt
-            )
+            index = len(group)
+            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params, index, parent.prompt,
+                                       parent.cache_salt, self._seq_keys[parent.seq_id] + index)
             self.allocator.fork(parent, child)
             child.num_computed_tokens = computed
             self.scheduler.add_running(child)
@@ -296,12 +342,33 @@ class Engine:
             seqs = self._groups[request_id]
             finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             if finished or stream:
-                outputs.append(RequestOutput.of(request_id, seqs, finished, self.tokenizer))
+                try:
+                    outputs.append(RequestOutput.of(request_id, seqs, finished, self.tokenizer))
+                except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing: this request ends alone
+                    outputs.append(self._failed_output(request_id, seqs, exc))
+                    finished = True
             if finished:
                 del self._groups[request_id]
                 for seq in seqs:
                     self._forget(seq)
         return outputs
+
+    def _failed_output(self, request_id: str, seqs: list[Sequence], exc: Exception) -> RequestOutput:
+        """Its output could not be built: every sample ends with an error and keeps the text it had."""
+        message = f"building the output failed: {type(exc).__name__}: {exc}"
+        for seq in seqs:
+            if seq.finish_reason == "error":  # failed earlier: its own error stands
+                continue
+            if seq.is_finished:
+                self.stats.finished -= 1
+            else:
+                self.scheduler.finish(seq, "error")
+            seq.finish_reason, seq.error = "error", message
+            self.stats.failed += 1
+        first = seqs[0]
+        completions = [seq.completion(index) for index, seq in enumerate(seqs)]
+        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, True,
+                             first.prompt_logprobs_out())
 
     def _observe(self, out: SchedulerOutput) -> None:
         self.stats.steps += 1

@@ -326,7 +326,8 @@ class FCFSScheduler:
 
     def _take_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, update: StepUpdate) -> None:
         """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
-        a failure ends its request alone; a failing sampler is not contained yet: see the engine's ``_sample``)."""
+        a failure ends its request alone; a row the sampler could not draw never arrives here: the engine
+        fails it after this update, see its ``_draw``)."""
         seq.append_token(token, logprobs)
         update.generated += 1
         self._finish_if_done(seq, token, update)
