@@ -408,7 +408,7 @@ def instrument(llm: Any) -> _Timers:
     timers.wrap(e.scheduler, "update_from_output", "update")
     timers.wrap(e.sampler, "sample", "sample")
     timers.wrap(e, "_observe", "observe")
-    timers.wrap(e, "_emit", "make_output")
+    timers.wrap(e.outputs, "emit", "make_output")
     return timers
 
 
@@ -424,7 +424,7 @@ def breakdown(timers: _Timers, total: float) -> list[tuple[str, float]]:
         ("sampling (sampler.sample)", s["sample"]),
         ("update/finish (scheduler.update_from_output)", s["update"]),
         ("stats (_observe)", s["observe"]),
-        ("outputs/detokenize (_emit)", s["make_output"]),
+        ("outputs/detokenize (outputs.emit)", s["make_output"]),
         ("rest of engine.step", s["step"] - s["schedule"] - s["execute"] - s["sample"] - s["update"]
          - s["observe"] - s["make_output"]),
         ("LLM.generate outside step", total - s["step"]),

@@ -29,7 +29,7 @@ from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.kv_cache import KVCacheSpec, capacity_line, decide_max_model_len, decide_num_blocks
 from pagedkv.core.kv_view import KVCacheView
-from pagedkv.core.logprobs import prompt_logprob_span, record_prompt_logprobs
+from pagedkv.core.output_processor import OutputProcessor
 from pagedkv.core.plugin_guard import (
     Observers,
     PluginFault,
@@ -43,11 +43,11 @@ from pagedkv.core.plugin_manager import chosen_components, has_impls, make_plugi
 from pagedkv.core.request_check import check_prompt
 from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_batch import SamplingBatch
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats, tokens_held
+from pagedkv.core.step_sampling import StepSampling
 from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
 
 
@@ -118,9 +118,10 @@ class Engine:
         self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
         self._groups: dict[str, list[Sequence]] = {}
         self._seq_keys: dict[int, int] = {}
+        self.sampling = StepSampling(self.sampler, self.stop_check, self._seq_keys)
+        self.outputs = OutputProcessor(self._groups, self.scheduler, self.stats, tokenizer, self._forget)
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
         self._next_key = 0  # sampler keys: a request reserves n in a row (sample i gets the first + i)
-        self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
@@ -234,12 +235,10 @@ class Engine:
         touched: dict[str, None] = {}
         if not out.is_empty:
             logits = self.runner.execute(out)
-            self._faults.clear()
             update = scheduler.update_from_output(out, self._sample(out, logits))
-            for seq, fault in self._faults.items():  # advanced with the rest (their KV is written), no token
+            for seq, fault in self.sampling.take_faults().items():  # advanced with the rest (KV written), no token
                 if not seq.is_finished:
                     scheduler.fail(seq, fault)
-            self._faults.clear()
             self.stats.prefill_tokens_computed += update.prefill_tokens
             self.stats.generated_tokens += update.generated
             self.stats.finished += update.finished
@@ -253,53 +252,12 @@ class Engine:
             self.stats.failed += 1
         scheduler.failed.clear()
         self._observe(out)
-        return self._emit(touched, stream)
+        return self.outputs.emit(touched, stream)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
         """A token (and its logprobs, if asked for) for every sequence whose step computed its last token."""
         seqs, rows = self._sampling(out)
-        sampling_rows = rows[-1] + 1 if rows else 0
-        if logits.shape[0] > sampling_rows:  # rows past the sampling ones: prompt logprobs
-            self._prompt_logprobs(out, logits[sampling_rows:])
-            logits = logits[:sampling_rows]
-        return self._draw(seqs, rows, logits)
-
-    def _prompt_logprobs(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Each request's prompt logprobs from its own rows; one that fails ends that request alone."""
-        offset = 0
-        for item in out.scheduled:
-            start, end = prompt_logprob_span(item)
-            if start == end:
-                continue
-            try:
-                record_prompt_logprobs([item], logits[offset : offset + end - start])
-            except Exception as exc:  # noqa: BLE001 - not the other requests' problem
-                self._fault(item.seq, "prompt logprobs", exc)
-            offset += end - start
-
-    def _fault(self, seq: Sequence, what: str, exc: Exception) -> None:
-        """``seq`` failed after the model ran; the step fails it once its bookkeeping is done."""
-        self._faults.setdefault(seq, RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}"))
-
-    def _draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Sample]:
-        if not seqs:
-            return []
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        banned = []
-        for seq in seqs:
-            try:
-                banned.append(self.stop_check.banned(seq) if seq.params.min_tokens else ())
-            except Exception as exc:  # noqa: BLE001 - this row fails below, alone
-                banned.append(())
-                self._fault(seq, "sampling", exc)
-        batch = SamplingBatch.of(seqs, banned, [self._seq_keys[s.seq_id] for s in seqs])
-        result = self.sampler.sample(logits, batch)
-        for seq, exc in zip(seqs, result.errors):
-            if exc is not None:
-                self._fault(seq, "sampling", exc)
-        faults = self._faults
-        return [sample for sample in zip(seqs, result.tokens, result.logprobs) if sample[0] not in faults]
+        return self.sampling.run(out, seqs, rows, logits)
 
     def _sampling(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample and their logits rows (forked samples split off first: they share
@@ -335,40 +293,6 @@ class Engine:
         parent.pending_forks = 0
         self.events.emit("request_fork", request=parent.request_id, children=len(children))
         return children
-
-    def _emit(self, touched: dict[str, None], stream: bool) -> list[RequestOutput]:
-        outputs = []
-        for request_id in touched:
-            seqs = self._groups[request_id]
-            finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
-            if finished or stream:
-                try:
-                    outputs.append(RequestOutput.of(request_id, seqs, finished, self.tokenizer))
-                except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing: this request ends alone
-                    outputs.append(self._failed_output(request_id, seqs, exc))
-                    finished = True
-            if finished:
-                del self._groups[request_id]
-                for seq in seqs:
-                    self._forget(seq)
-        return outputs
-
-    def _failed_output(self, request_id: str, seqs: list[Sequence], exc: Exception) -> RequestOutput:
-        """Its output could not be built: every sample ends with an error and keeps the text it had."""
-        message = f"building the output failed: {type(exc).__name__}: {exc}"
-        for seq in seqs:
-            if seq.finish_reason == "error":  # failed earlier: its own error stands
-                continue
-            if seq.is_finished:
-                self.stats.finished -= 1
-            else:
-                self.scheduler.finish(seq, "error")
-            seq.finish_reason, seq.error = "error", message
-            self.stats.failed += 1
-        first = seqs[0]
-        completions = [seq.completion(index) for index, seq in enumerate(seqs)]
-        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions, True,
-                             first.prompt_logprobs_out())
 
     def _observe(self, out: SchedulerOutput) -> None:
         self.stats.steps += 1

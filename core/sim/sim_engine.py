@@ -57,7 +57,7 @@ class SimEngine(Engine):
         seqs, rows = self._sampling(out)
         if all(s.params.greedy for s in seqs):
             return [(s, SimulatedRunner.TOKEN, None) for s in seqs]
-        return self._draw(seqs, rows, logits)
+        return self.sampling.draw(seqs, rows, logits)
 
     def plugin_stats(self) -> dict[str, Any]:
         """As :meth:`Engine.plugin_stats`, with every sequence exact first (a plugin may read them)."""

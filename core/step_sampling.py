@@ -1,0 +1,77 @@
+"""The sample phase of a step, failing per request: what the model computed becomes tokens.
+
+Prompt logprobs are recorded from their rows, then every sequence that sampled draws its token
+(batched, with its own generator). Anything that fails for one request here (its logits
+processors, its prompt logprobs, its min-tokens ban) is kept as that request's fault; the engine
+fails it once the step's bookkeeping is done, and the others go on exactly as without the fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.logprobs import prompt_logprob_span, record_prompt_logprobs
+from pagedkv.core.sampler import Sampler
+from pagedkv.core.sampling_batch import SamplingBatch
+from pagedkv.core.scheduler import Sample, SchedulerOutput
+from pagedkv.core.sequence import Sequence
+
+
+class StepSampling:
+    def __init__(self, sampler: Sampler, stop_check: Any, seq_keys: dict[int, int]) -> None:
+        self.sampler = sampler
+        self.stop_check = stop_check
+        self.seq_keys = seq_keys  # seq_id -> its generator's key (the engine's)
+        self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
+
+    def run(self, out: SchedulerOutput, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Sample]:
+        """Tokens for ``seqs`` (logits row ``rows[i]`` each); rows past the last are prompt logprobs."""
+        sampling_rows = rows[-1] + 1 if rows else 0
+        if logits.shape[0] > sampling_rows:
+            self._prompt_logprobs(out, logits[sampling_rows:])
+            logits = logits[:sampling_rows]
+        return self.draw(seqs, rows, logits)
+
+    def take_faults(self) -> dict[Sequence, Exception]:
+        """This step's failed sequences, and a clean slate for the next step."""
+        faults, self._faults = self._faults, {}
+        return faults
+
+    def _prompt_logprobs(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Each request's prompt logprobs from its own rows; one that fails ends that request alone."""
+        offset = 0
+        for item in out.scheduled:
+            start, end = prompt_logprob_span(item)
+            if start == end:
+                continue
+            try:
+                record_prompt_logprobs([item], logits[offset : offset + end - start])
+            except Exception as exc:  # noqa: BLE001 - not the other requests' problem
+                self._fault(item.seq, "prompt logprobs", exc)
+            offset += end - start
+
+    def _fault(self, seq: Sequence, what: str, exc: Exception) -> None:
+        """``seq`` failed after the model ran; the step fails it once its bookkeeping is done."""
+        self._faults.setdefault(seq, RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}"))
+
+    def draw(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Sample]:
+        if not seqs:
+            return []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        banned = []
+        for seq in seqs:
+            try:
+                banned.append(self.stop_check.banned(seq) if seq.params.min_tokens else ())
+            except Exception as exc:  # noqa: BLE001 - this row fails below, alone
+                banned.append(())
+                self._fault(seq, "sampling", exc)
+        batch = SamplingBatch.of(seqs, banned, [self.seq_keys[s.seq_id] for s in seqs])
+        result = self.sampler.sample(logits, batch)
+        for seq, exc in zip(seqs, result.errors):
+            if exc is not None:
+                self._fault(seq, "sampling", exc)
+        faults = self._faults
+        return [sample for sample in zip(seqs, result.tokens, result.logprobs) if sample[0] not in faults]
