@@ -26,9 +26,9 @@ from plugin_helpers import assert_all_blocks_back
 
 from conftest import VOCAB, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core import engine as engine_module
 from pagedkv.core import sampler as sampler_module
 from pagedkv.core import sequence as sequence_module
+from pagedkv.core import step_sampling as step_sampling_module
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.sampler import Sampler
@@ -102,7 +102,7 @@ class FailingStopCheck:
 
 def injection_points(stack: ExitStack, injector: Injector) -> None:
     """Wrap the per-request code paths that are not plugin hooks (each passes through unless told)."""
-    penalties, record, output_text = (sampler_module.apply_penalties, engine_module.record_prompt_logprobs,
+    penalties, record, output_text = (sampler_module.apply_penalties, step_sampling_module.record_prompt_logprobs,
                                       sequence_module.output_text)
     generator_for = Sampler.generator_for
 
@@ -124,7 +124,7 @@ def injection_points(stack: ExitStack, injector: Injector) -> None:
 
     stack.enter_context(mock.patch.object(sampler_module, "apply_penalties", sampler_row))
     stack.enter_context(mock.patch.object(Sampler, "generator_for", generator))
-    stack.enter_context(mock.patch.object(engine_module, "record_prompt_logprobs", prompt_logprobs))
+    stack.enter_context(mock.patch.object(step_sampling_module, "record_prompt_logprobs", prompt_logprobs))
     stack.enter_context(mock.patch.object(sequence_module, "output_text", detokenize))
 
 
