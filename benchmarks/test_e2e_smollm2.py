@@ -217,7 +217,8 @@ def test_e2e_pagedkv(benchmark, e2e_report, warm, paged_model, hf_model, tokeniz
     outs, wall, c = _time(benchmark, lambda: run_pagedkv(llm, workload.prompt_ids, workload.max_tokens))
     _OUTPUTS["pagedkv"] = outs
     assert [len(o) for o in outs] == workload.max_tokens
-    row = _record(benchmark, e2e_report, "pagedkv (torch backend, bs16)", len(workload), workload.output_tokens,
+    row = _record(benchmark, e2e_report, f"pagedkv ({llm.engine.config.backend} backend, bs16)", len(workload),
+                  workload.output_tokens,
                   workload.output_tokens, wall, c)
     engine = llm.engine
     benchmark.extra_info.update(
@@ -271,7 +272,7 @@ _SWEEP_LABELS = {
     "generate": f"hf generate (static batches of <= {SWEEP_STATIC_CAP})",
     "generate_one_batch": "hf generate (one static batch of n)",
     "generate_batch": "hf generate_batch (paged CB)",
-    "pagedkv": "pagedkv (torch backend, bs16)",
+    "pagedkv": "pagedkv (default backend, bs16)",
 }
 PLOT_PATH = Path(__file__).parent / "plots" / "tokens_per_s_vs_concurrency.png"
 
