@@ -23,11 +23,11 @@ import torch
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
-from pagedkv.core.engine_checks import check_kv_size, start_backend
+from pagedkv.core.engine_checks import size_kv_cache, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.kv_cache import KVCacheSpec, capacity_line, decide_max_model_len, decide_num_blocks
+from pagedkv.core.kv_cache import capacity_line
 from pagedkv.core.kv_view import KVCacheView
 from pagedkv.core.output_processor import OutputProcessor
 from pagedkv.core.plugin_guard import (
@@ -47,7 +47,7 @@ from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.core.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats, tokens_held
-from pagedkv.core.step_sampling import StepSampling
+from pagedkv.core.step_sampling import StepSampling, sampling_rows
 from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
 
 
@@ -83,17 +83,8 @@ class Engine:
         hf_config = runner.model_config if runner is not None else model.config
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
-        self.spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
-        if config.tensor_parallel_size > 1 and runner is None:  # each rank holds its share of the KV heads
-            from pagedkv.core.tensor_parallel import check_divisible, rank_spec
-
-            check_divisible(hf_config, config.tensor_parallel_size)
-            self.spec = rank_spec(self.spec, config.tensor_parallel_size)
-        self.num_blocks = check_kv_size(
-            decide_num_blocks(config, self.spec, model), self.spec.bytes_per_block, config, runner is None
-        )
+        self.spec, self.num_blocks, self.max_model_len = size_kv_cache(config, hf_config, model, runner is None)
         self.capacity_tokens = self.num_blocks * config.block_size
-        self.max_model_len = decide_max_model_len(config, hf_config, self.capacity_tokens)
 
         self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
         on_release = PoolHook(self.pm, "pagedkv_on_block_released", firstresult=True)
@@ -256,24 +247,8 @@ class Engine:
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
         """A token (and its logprobs, if asked for) for every sequence whose step computed its last token."""
-        seqs, rows = self._sampling(out)
+        seqs, rows = sampling_rows(out, self._fork)
         return self.sampling.run(out, seqs, rows, logits)
-
-    def _sampling(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
-        """The sequences that sample and their logits rows (forked samples split off first: they share
-        their parent's row but draw with their own generators)."""
-        seqs: list[Sequence] = []
-        rows: list[int] = []  # logits row of each sampling sequence
-        row = 0
-        for item in out.scheduled:
-            if item.samples:
-                seq = item.seq
-                forked = self._fork(seq, item.context_len + item.num_new_tokens) if seq.pending_forks else ()
-                for sample in (seq, *forked):
-                    seqs.append(sample)
-                    rows.append(row)
-                row += 1
-        return seqs, rows
 
     def _fork(self, parent: Sequence, computed: int) -> list[Sequence]:
         """After its prefill, split a parent into its n samples sharing every block and ``computed`` tokens."""
@@ -295,15 +270,7 @@ class Engine:
         return children
 
     def _observe(self, out: SchedulerOutput) -> None:
-        self.stats.steps += 1
-        self.stats.preemptions += len(out.preempted)
-        self.stats.tokens_recomputed = self.scheduler.tokens_discarded
-        running = len(self.scheduler.running)
-        used = self.pool.num_used
-        if used >= self.stats.peak_blocks_used:  # waste is recorded at the peak only: skip the count otherwise
-            self.stats.observe_memory(used, self.tokens_held(), self.config.block_size, running)
-        else:
-            self.stats.peak_running = max(self.stats.peak_running, running)
+        self.stats.observe_step(out, self.scheduler, self.pool.num_used, self.tokens_held, self.config.block_size)
         if self.events.enabled:
             events = self.events.drain()
             if self._step_observers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.errors import ConfigError, PagedKVError
+from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
 from pagedkv.core.limits import check_cap, check_host_memory
 
 
@@ -50,3 +51,16 @@ def check_device_memory(nbytes: int, device: str, what: str) -> None:
             f"{what} needs {nbytes / 2**30:,.2f} GiB on {device} but only {free / 2**30:,.2f} GiB is free; "
             "give a smaller kv_cache_memory / num_blocks or a lower gpu_memory_utilization"
         )
+
+
+def size_kv_cache(config: Any, hf_config: Any, model: Any, allocates: bool) -> tuple[KVCacheSpec, int, int]:
+    """(per-rank spec, number of blocks, max_model_len) for ``config`` on this model; ``allocates``: the cache
+    will really be allocated (its size is checked against the memory there is)."""
+    spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
+    if config.tensor_parallel_size > 1 and allocates:  # each rank holds its share of the KV heads
+        from pagedkv.core.tensor_parallel import check_divisible, rank_spec
+
+        check_divisible(hf_config, config.tensor_parallel_size)
+        spec = rank_spec(spec, config.tensor_parallel_size)
+    num_blocks = check_kv_size(decide_num_blocks(config, spec, model), spec.bytes_per_block, config, allocates)
+    return spec, num_blocks, decide_max_model_len(config, hf_config, num_blocks * config.block_size)

@@ -115,3 +115,4 @@ def decide_max_model_len(config: Any, hf_config: Any, capacity_tokens: int) -> i
     if wanted is not None and model_limit is not None and wanted > model_limit:
         raise ConfigError(f"max_model_len {wanted} is above the model's limit of {model_limit} positions")
     return min(wanted or model_limit or capacity_tokens, capacity_tokens)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,18 @@ class RunStats:
     blocks_shared_by_fork: int = 0
     prefill_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits skip some)
     elapsed: float = 0.0
+
+    def observe_step(self, out: Any, scheduler: Any, used_blocks: int, tokens_held: Callable[[], int],
+                     block_size: int) -> None:
+        """A step ran: count it, its preemptions, and KV memory (waste is counted only at a new peak)."""
+        self.steps += 1
+        self.preemptions += len(out.preempted)
+        self.tokens_recomputed = scheduler.tokens_discarded
+        running = len(scheduler.running)
+        if used_blocks >= self.peak_blocks_used:
+            self.observe_memory(used_blocks, tokens_held(), block_size, running)
+        else:
+            self.peak_running = max(self.peak_running, running)
 
     def observe_memory(self, used_blocks: int, tokens_held: int, block_size: int, running: int) -> None:
         self.peak_running = max(self.peak_running, running)

@@ -19,6 +19,24 @@ from pagedkv.core.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sequence import Sequence
 
 
+def sampling_rows(out: SchedulerOutput, fork: Any) -> tuple[list[Sequence], list[int]]:
+    """The sequences that sample this step and their logits rows. A parent with samples still to fork
+    is split first (``fork(parent, computed)`` returns its new children): they share the parent's row
+    but draw with their own generators."""
+    seqs: list[Sequence] = []
+    rows: list[int] = []
+    row = 0
+    for item in out.scheduled:
+        if item.samples:
+            seq = item.seq
+            forked = fork(seq, item.context_len + item.num_new_tokens) if seq.pending_forks else ()
+            for sample in (seq, *forked):
+                seqs.append(sample)
+                rows.append(row)
+            row += 1
+    return seqs, rows
+
+
 class StepSampling:
     def __init__(self, sampler: Sampler, stop_check: Any, seq_keys: dict[int, int]) -> None:
         self.sampler = sampler

@@ -22,6 +22,7 @@ from pagedkv.core.sequence import RequestOutput
 from pagedkv.core.sim.decode_lane import DecodeLane
 from pagedkv.core.sim.lane_scheduler import lane_reproduces, with_decode_lane
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.core.step_sampling import sampling_rows
 
 
 class SimEngine(Engine):
@@ -54,7 +55,7 @@ class SimEngine(Engine):
 
     def _sample(self, out: Any, logits: Any) -> list[Sample]:
         """Greedy over the runner's one-column logits is always its token: no tensor work for that."""
-        seqs, rows = self._sampling(out)
+        seqs, rows = sampling_rows(out, self._fork)
         if all(s.params.greedy for s in seqs):
             return [(s, SimulatedRunner.TOKEN, None) for s in seqs]
         return self.sampling.draw(seqs, rows, logits)
