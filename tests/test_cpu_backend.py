@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import GREEDY_MAX_NEW, hf_greedy
 from pagedkv import LLM, SamplingParams
 from pagedkv.backends.cpu import build
 from pagedkv.core.attention_metadata import AttentionMetadata
@@ -179,26 +179,8 @@ def test_missing_compiler_falls_back_to_the_reference_with_one_log_line(monkeypa
 
 # --- whole model: greedy tokens identical to transformers' generate ------------------------------------------
 
-LENGTHS = [3, 17, 40, 1, 64, 9]
-MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def references(tiny_models):
-    prompts = random_prompts(LENGTHS, seed=1)
-    return prompts, {name: [hf_greedy(m, p, MAX_NEW) for p in prompts] for name, m in tiny_models.items()}
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_greedy_tokens_match_transformers_generate(backend, tiny_models, references, arch, block_size):
-    prompts, refs = references
-    llm = LLM(hf_model=tiny_models[arch], device="cpu", backend="cpu", block_size=block_size,
-              num_blocks=2048 // block_size)
-    assert llm.engine.backend.name == "cpu"
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == refs[arch]
-    assert llm.engine.pool.num_free == llm.engine.num_blocks
+MAX_NEW = GREEDY_MAX_NEW  # (transformers' greedy tokens for each tiny model: conftest's ``references``;
+# the plain equality test over architectures and block sizes runs for both backends in test_generate_matches_hf)
 
 
 def test_greedy_tokens_match_with_chunked_prefill_and_prefix_cache(backend, tiny_models, references):

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy, random_prompts
+from conftest import GREEDY_MAX_NEW as MAX_NEW
 from pagedkv import LLM, SamplingParams
-
-LENGTHS = [3, 17, 40, 1, 64, 9]
-MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def references(tiny_models):
-    prompts = random_prompts(LENGTHS, seed=1)
-    return prompts, {name: [hf_greedy(m, p, MAX_NEW) for p in prompts] for name, m in tiny_models.items()}
 
 
 def run_engine(model, prompts, **config):
@@ -26,11 +17,14 @@ def run_engine(model, prompts, **config):
     return [o.token_ids for o in outs], engine
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # the readable reference and the compiled CPU kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_greedy_tokens_match_transformers_generate(tiny_models, references, arch, block_size):
+def test_greedy_tokens_match_transformers_generate(tiny_models, references, arch, block_size, backend):
     prompts, refs = references
-    got, engine = run_engine(tiny_models[arch], prompts, block_size=block_size, num_blocks=2048 // block_size)
+    got, engine = run_engine(tiny_models[arch], prompts, block_size=block_size, num_blocks=2048 // block_size,
+                             backend=backend)
+    assert engine.config.backend == backend
     assert got == refs[arch]
     assert engine.stats.preemptions == 0
 
