@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.backends.cpu import build
-from pagedkv.backends.torch_ref import attention as _ref
+from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -14,16 +14,15 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 QUERY_TILE = 16
 
 
-class CpuBackend:
-    """Reads K/V blocks in place through the block table; GQA groups share each K/V row."""
+class CpuBackend(TorchBackend):
+    """Reads K/V blocks in place through the block table; GQA groups share each K/V row. Writing the
+    cache and the block copies/swaps are the reference's (inherited)."""
 
     name = "cpu"
 
     def __init__(self, lib=None) -> None:  # noqa: ANN001 - a ctypes library
+        super().__init__("cpu")
         self.lib = lib if lib is not None else build.load()
-
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001 - see AttentionBackend
-        _ref.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,
@@ -69,12 +68,6 @@ class CpuBackend:
             raise ValueError(f"cpu attention rejected the shapes: {num_heads} query heads, {k_cache.shape[2]} KV "
                              f"heads, head_dim {head_dim}, block size {k_cache.shape[1]} (code {rc})")
         return out if out_dtype == out.dtype else out.to(out_dtype)
-
-    def copy_blocks(self, kv_caches, pairs) -> None:  # noqa: ANN001
-        _ref.copy_blocks(kv_caches, pairs)
-
-    def swap_blocks(self, src, dst, pairs) -> None:  # noqa: ANN001
-        _ref.swap_blocks(src, dst, pairs)
 
 
 def _index_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
