@@ -41,6 +41,7 @@ from pagedkv.core.plugin_guard import (
 )
 from pagedkv.core.plugin_manager import chosen_components, has_impls, make_plugin_manager
 from pagedkv.core.request_check import check_prompt
+from pagedkv.core.request_groups import RequestGroups
 from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sampler import Sampler
 from pagedkv.core.sampling_params import SamplingParams
@@ -107,12 +108,10 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.stats = RunStats()
         self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
-        self._groups: dict[str, list[Sequence]] = {}
-        self._seq_keys: dict[int, int] = {}
-        self.sampling = StepSampling(self.sampler, self.stop_check, self._seq_keys)
-        self.outputs = OutputProcessor(self._groups, self.scheduler, self.stats, tokenizer, self._forget)
+        self.requests = RequestGroups(self.sampler, self.max_model_len, self.stats, self.events)
+        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys)
+        self.outputs = OutputProcessor(self.requests, self.scheduler, self.stats, tokenizer)
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
-        self._next_key = 0  # sampler keys: a request reserves n in a row (sample i gets the first + i)
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
@@ -166,20 +165,15 @@ class Engine:
         text, token_ids = self.encode_prompt(prompt)
         params.check_vocab(self.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._groups:
+        if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        first_key = self._next_key  # reserved before any plugin runs: a later request's keys never depend on it
-        self._next_key += params.n
+        first_key = self.requests.reserve_keys(params.n)  # before any plugin runs (see request_groups)
         try:
             fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
         except PluginFault as fault:
             raise RequestRejected(str(fault)) from fault
-        seqs = []
-        for index in range(1 if fork else params.n):
-            seqs.append(self._new_sequence(request_id, token_ids, params, index, text, cache_salt, first_key + index))
-        if fork:
-            seqs[0].pending_forks = params.n - 1
-        self._groups[request_id] = seqs
+        seqs = self.requests.add(request_id, token_ids, params, first_key, fork=fork, prompt=text,
+                                 cache_salt=cache_salt)
         for seq in seqs:
             self.scheduler.add(seq)
         self.stats.requests += 1
@@ -187,21 +181,14 @@ class Engine:
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
 
-    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
-                      text: str | None, cache_salt: str | None, key: int) -> Sequence:
-        seq = Sequence.sample_of(request_id, token_ids, params, index, self.max_model_len, text, cache_salt)
-        self._seq_keys[seq.seq_id] = key
-        return seq
-
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
-        seqs = self._groups.pop(request_id, None)
+        seqs = self.requests.pop(request_id)
         if seqs is None:
             return False
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-            self._forget(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -251,23 +238,7 @@ class Engine:
         return self.sampling.run(out, seqs, rows, logits)
 
     def _fork(self, parent: Sequence, computed: int) -> list[Sequence]:
-        """After its prefill, split a parent into its n samples sharing every block and ``computed`` tokens."""
-        group = self._groups[parent.request_id]
-        children = []
-        for _ in range(parent.pending_forks):
-            # parent.params carries seed + 0, so sample i gets seed + i as in an unforked request
-            index = len(group)
-            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params, index, parent.prompt,
-                                       parent.cache_salt, self._seq_keys[parent.seq_id] + index)
-            self.allocator.fork(parent, child)
-            child.num_computed_tokens = computed
-            self.scheduler.add_running(child)
-            group.append(child)
-            children.append(child)
-        self.stats.blocks_shared_by_fork += parent.pending_forks * len(parent.block_table)
-        parent.pending_forks = 0
-        self.events.emit("request_fork", request=parent.request_id, children=len(children))
-        return children
+        return self.requests.fork(parent, computed, self.allocator, self.scheduler)
 
     def _observe(self, out: SchedulerOutput) -> None:
         self.stats.observe_step(out, self.scheduler, self.pool.num_used, self.tokens_held, self.config.block_size)
@@ -288,11 +259,6 @@ class Engine:
     def kv_view(self) -> KVCacheView:
         """A read-only view of the KV cache and the requests holding it (for telemetry, tests)."""
         return KVCacheView(self.pool, self.scheduler, self.config.block_size, self.swap_space)
-
-    def _forget(self, seq: Sequence) -> None:
-        key = self._seq_keys.pop(seq.seq_id, None)
-        if key is not None:
-            self.sampler.forget(key)
 
     def check_invariants(self) -> None:
         """See :func:`pagedkv.core.invariants.check_invariants`."""

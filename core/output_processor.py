@@ -7,28 +7,26 @@ alone with finish reason ``"error"`` and keeps the tokens it had; the others are
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from pagedkv.core.request_groups import RequestGroups
 from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats
 
 
 class OutputProcessor:
-    def __init__(self, groups: dict[str, list[Sequence]], scheduler: Any, stats: RunStats, tokenizer: Any,
-                 forget: Callable[[Sequence], None]) -> None:
-        self.groups = groups  # request id -> its sequences (the engine's, shared)
+    def __init__(self, requests: RequestGroups, scheduler: Any, stats: RunStats, tokenizer: Any) -> None:
+        self.requests = requests  # the engine's live requests; a finished one is let go here
         self.scheduler = scheduler
         self.stats = stats
         self.tokenizer = tokenizer
-        self.forget = forget  # drops a finished sequence's engine state (its sampler generator)
 
     def emit(self, touched: dict[str, None], stream: bool) -> list[RequestOutput]:
         """Outputs of the requests the step touched (finished ones always, others if ``stream``); a
         finished request is forgotten. A request whose output cannot be built ends alone, with an error."""
         outputs = []
         for request_id in touched:
-            seqs = self.groups[request_id]
+            seqs = self.requests[request_id]
             finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             if finished or stream:
                 try:
@@ -37,9 +35,7 @@ class OutputProcessor:
                     outputs.append(self._failed(request_id, seqs, exc))
                     finished = True
             if finished:
-                del self.groups[request_id]
-                for seq in seqs:
-                    self.forget(seq)
+                self.requests.pop(request_id)
         return outputs
 
     def _failed(self, request_id: str, seqs: list[Sequence], exc: Exception) -> RequestOutput:

@@ -102,7 +102,7 @@ def test_abort_frees_the_request_blocks_mid_decode(tiny_llama):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_free == engine.num_blocks
-    assert b not in engine._groups
+    assert b not in engine.requests
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):

@@ -185,7 +185,7 @@ def test_lane_member_materializes_when_aborted_or_streamed():
     b = engine.add_request([4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(10):
         engine.step(stream=False)
-    seq_a, seq_b = engine._groups[a][0], engine._groups[b][0]
+    seq_a, seq_b = engine.requests[a][0], engine.requests[b][0]
     assert seq_a in engine.lane.members and len(seq_a.output_token_ids) == 1  # stale while in the lane
     assert engine.abort(a)
     assert len(seq_a.output_token_ids) == 10 and seq_a.num_computed_tokens == 3 + 9
