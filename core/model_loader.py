@@ -73,11 +73,21 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
     )
 
 
+def conversion_key(gguf_path: Path, sample: int = 1 << 20) -> str:
+    """Names a conversion by the file's content (size, first and last MiB), not its path: the same
+    wheel installed in another virtual environment reuses the conversion instead of adding ~0.5 GB."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(size - sample, 0))
+        digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
+
+
 def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     """De-quantize a GGUF file once into ``<cache>/models/<name>`` as safetensors + tokenizer."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
+    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{conversion_key(gguf_path)}"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     print(f"pagedkv: converting {gguf_path.name} to safetensors in {target} (once, ~15 s)...", file=sys.stderr)
