@@ -26,20 +26,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from bisect import insort
 from operator import attrgetter
 
 from pagedkv.core.sequence import Sequence
 
 _run_order = attrgetter("run_order")
 
+
 class _Member:
-    __slots__ = ("joined", "computed", "last_step", "serial")
+    __slots__ = ("joined", "computed", "last_step", "serial", "residue")
 
     def __init__(self, joined: int, computed: int, last_step: int, serial: int) -> None:
         self.joined = joined  # lane clock when it joined
         self.computed = computed  # its computed tokens then
         self.last_step = last_step  # the lane step it finishes on
         self.serial = serial  # tells a live calendar entry from one left behind by an earlier membership
+        self.residue: int | None = None  # its crossing steps modulo the block size, once it is in a bucket
 
 
 class DecodeLane:
@@ -53,7 +56,10 @@ class DecodeLane:
         self.outside: dict[Sequence, None] = {}  # running sequences not in the lane (prefilling, or just admitted)
         self.newest = -1  # largest run_order a member has had since the last flush (an upper bound)
         self._offset = 0  # sum over members of (computed at join - clock at join)
-        self._crossings: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members needing a block then
+        # A member crosses into a new block every ``block_size`` steps: bucket r holds, in running order,
+        # the members crossing on the steps congruent to r (put there at their first crossing)
+        self._buckets: list[list[Sequence]] = [[] for _ in range(block_size)]
+        self._late: dict[int, list[tuple[Sequence, int]]] = {}  # first crossings more than a block away
         self._finishes: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members finishing then
         # lane step -> members whose last block becomes full then (for ``pagedkv_on_block_full`` plugins)
         self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
@@ -69,14 +75,20 @@ class DecodeLane:
             entries.append(entry)
 
     def next_event(self) -> int | None:
-        """The next lane step on which a member crosses a block boundary, fills a block or finishes."""
+        """The next lane step on which a member crosses a block boundary, fills a block or finishes
+        (or an earlier one on which nothing happens: a calendar entry left behind by a former member)."""
         heap = self._event_steps
         fills = self._fills or {}
         while heap and (heap[0] <= self.clock or not (
-            heap[0] in self._crossings or heap[0] in self._finishes or heap[0] in fills
+            heap[0] in self._late or heap[0] in self._finishes or heap[0] in fills
         )):
             heapq.heappop(heap)
-        return heap[0] if heap else None
+        nxt = heap[0] if heap else None
+        buckets, clock, size = self._buckets, self.clock, self.block_size
+        for ahead in range(1, size + 1 if nxt is None else min(size, nxt - clock - 1) + 1):
+            if buckets[(clock + ahead) % size]:
+                return clock + ahead
+        return nxt
 
     def skip(self, steps: int) -> None:
         """``steps`` steps pass in which no member has an event (the caller checked :meth:`next_event`)."""
@@ -104,7 +116,7 @@ class DecodeLane:
         self._offset += member.computed - member.joined
         self.newest = max(self.newest, seq.run_order)
         self._book(self._finishes, member.last_step, (seq, member.serial))
-        self._plan_crossing(seq, member, member.computed)
+        self._plan_crossing(seq, member)
         if self._fills is not None:
             self._plan_fill(seq, member, member.computed)
 
@@ -114,11 +126,17 @@ class DecodeLane:
         if step <= member.last_step:
             self._book(self._fills, step, (seq, member.serial))
 
-    def _plan_crossing(self, seq: Sequence, member: _Member, computed: int) -> None:
-        """Book the step at which ``seq`` (holding ``computed`` tokens now) next needs a block."""
-        step = self.clock + len(seq.block_table.blocks) * self.block_size - computed + 1
-        if step <= member.last_step:
-            self._book(self._crossings, step, (seq, member.serial))
+    def _plan_crossing(self, seq: Sequence, member: _Member) -> None:
+        """A joining member goes in the bucket of the step it first needs a block on (or that step is booked:
+        a table with room for more than one block's tokens ahead, which the built-in allocators never give)."""
+        step = self.clock + len(seq.block_table.blocks) * self.block_size - member.computed + 1
+        if step > member.last_step:
+            return
+        if step - self.clock <= self.block_size:
+            member.residue = step % self.block_size
+            insort(self._buckets[member.residue], seq, key=_run_order)
+        else:
+            self._book(self._late, step, (seq, member.serial))
 
     def _live(self, entries: list[tuple[Sequence, int]]) -> list[Sequence]:
         members = self.members
@@ -131,21 +149,33 @@ class DecodeLane:
 
     def due_crossings(self) -> list[Sequence]:
         """Members that need a new block on the coming step, in running order (not yet taken)."""
-        entries = self._crossings.get(self.clock + 1)
-        if not entries:
-            return []
-        due = self._live(entries)
-        due.sort(key=_run_order)
+        step = self.clock + 1
+        due = list(self._buckets[step % self.block_size])
+        entries = self._late.get(step)
+        if entries:
+            due.extend(self._live(entries))
+            due.sort(key=_run_order)
         return due
 
-    def take_crossings(self, allocated: list[Sequence]) -> None:
-        """The scheduler gave each of ``allocated`` (the due crossings) its block: book the next ones."""
-        self._crossings.pop(self.clock + 1, None)
+    def due_crossings_alone(self) -> list[Sequence] | None:
+        """:meth:`due_crossings`, or None if on the coming step a member may also finish or fill a block."""
         step = self.clock + 1
+        if step in self._finishes or (self._fills is not None and step in self._fills):
+            return None  # (possibly an entry left behind by an earlier membership: the real step will tell)
+        return self.due_crossings()
+
+    def take_crossings(self, allocated: list[Sequence]) -> None:
+        """The scheduler gave each of ``allocated`` (the due crossings, all still members) its block.
+        Members in a bucket cross again a block later by themselves; a late first crossing joins its bucket."""
+        step = self.clock + 1
+        if self._late.pop(step, None) is None:
+            return
+        residue = step % self.block_size
         for seq in allocated:
             member = self.members[seq]
-            computed_after = member.computed + step - member.joined  # tokens held after the coming step
-            self._plan_crossing(seq, member, computed_after - 1)
+            if member.residue is None:
+                member.residue = residue
+                insort(self._buckets[residue], seq, key=_run_order)
 
     def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """One step passed: every member decoded one token.
@@ -197,7 +227,9 @@ class DecodeLane:
         for seq in list(self.members):
             self._leave(seq)
             self.outside[seq] = None
-        self._crossings.clear()
+        for bucket in self._buckets:
+            bucket.clear()
+        self._late.clear()
         self._finishes.clear()
         if self._fills is not None:
             self._fills.clear()
@@ -206,6 +238,8 @@ class DecodeLane:
 
     def _leave(self, seq: Sequence, owe_last: bool = False) -> None:
         member = self.members.pop(seq)
+        if member.residue is not None:
+            self._buckets[member.residue].remove(seq)
         steps = self.clock - member.joined
         self._offset -= member.computed - member.joined
         seq.num_computed_tokens = member.computed + steps

@@ -201,6 +201,29 @@ class DecodeLaneScheduling:
         lane.take_crossings([s for s in due if s in lane.members])
         return budget - members - used
 
+    def admission_floor(self) -> int | None:
+        """With every running sequence on the lane and no allocator plugins: the fewest available blocks with
+        which the next step's admission phase admits the head of the queue (FCFS's first check in
+        ``_admit_waiting``: not crowded below the watermark, its blocks fit), or None if it admits nothing
+        however many blocks are free (nothing waits, the batch is full, the lane takes the whole budget)."""
+        budget = self.max_num_batched_tokens - len(self.lane.members)
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        return self.allocator.num_new_blocks(seq, min(seq.num_uncomputed, budget)) + max(self.watermark_blocks, 0)
+
+    def cross(self, due: list[Sequence]) -> None:
+        """A step in which lane members ``due`` (the coming step's crossings, in running order) each take a
+        new block and nothing else happens (the caller checked: no finish or fill, blocks enough, nothing
+        admitted): the blocks and calendar the lane step gives, without building the step's output."""
+        self.step_index += 1
+        for seq, block in zip(due, self.allocator.pool.allocate_many(len(due))):
+            seq.block_table.blocks.append(block)
+        lane = self.lane
+        lane.take_crossings(due)
+        lane.skip(1)
+        self.quiet = not due
+
     def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:
         """FCFS's bookkeeping, with lane members touched only when they fill a block or finish.
 

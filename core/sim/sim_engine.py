@@ -18,7 +18,7 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.scheduler import Sample
-from pagedkv.core.sequence import RequestOutput
+from pagedkv.core.sequence import RequestOutput, Sequence
 from pagedkv.core.sim.decode_lane import DecodeLane
 from pagedkv.core.sim.lane_scheduler import lane_reproduces, with_decode_lane
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
@@ -75,19 +75,38 @@ class SimEngine(Engine):
             assert [s.run_order for s in running] == sorted(s.run_order for s in running)
         check_invariants(self)
 
-    # --- jumping over quiet steps ----------------------------------------------------------------------------
+    # --- steps that only move the lane, taken without the step machinery (see lane_run) ----------------------
+
+    def _settled(self) -> bool:
+        """Every running sequence rides the lane, nothing is swapped or failed, and the lane covers the batch."""
+        lane, sched = self.lane, self.scheduler
+        return bool(
+            lane is not None and lane.members and not lane.outside and not sched.swapped and not sched.failed
+            and len(lane.members) <= sched.max_num_batched_tokens
+        )
+
+    def _admission_blocked(self, available: int) -> bool:
+        """The next step's admission phase admits nothing with ``available`` blocks (no allocator plugins)."""
+        if self.allocator.hooks is not None:
+            return False  # a prefix-cache lookup may have effects: leave it to the real step
+        floor = self.scheduler.admission_floor()
+        return floor is None or available < floor
 
     def quiet_steps(self) -> int:
         """How many steps from now would only move the lane (0 if the next one might do more).
 
-        After a quiet step, the next is quiet too until a lane member's event (a block boundary,
-        a full block, its last token): the pool, the queues and so every admission decision are
-        unchanged. Requests added in between are the caller's to account for (it knows arrivals).
+        Until a lane member's event (a block boundary, a full block, its last token) the pool and
+        the queues do not change, so neither does any admission decision: after a quiet step (only
+        the lane moved) or where the waiting queue cannot be admitted now, the steps up to that event
+        are quiet. Requests added in between are the caller's to account for (it knows arrivals).
         """
         lane, sched = self.lane, self.scheduler
-        if lane is None or not sched.quiet or lane.outside or sched.swapped or sched.failed:
+        if not self._settled():
             return 0
-        if sched.waiting and self.allocator.hooks is not None:  # a prefix-cache lookup may have effects
+        if not sched.quiet:
+            if not self._admission_blocked(self.pool.num_available):
+                return 0
+        elif sched.waiting and self.allocator.hooks is not None:  # a prefix-cache lookup may have effects
             return 0
         nxt = lane.next_event()
         return max(0, nxt - lane.clock - 1) if nxt is not None else 0
@@ -106,3 +125,29 @@ class SimEngine(Engine):
         used = self.pool.num_used
         if used >= stats.peak_blocks_used:  # waste at a tied peak falls as tokens grow: the last step's is the min
             stats.observe_memory(used, self.tokens_held(), self.config.block_size, len(self.scheduler.running))
+
+    def crossing_step(self) -> list[Sequence] | None:
+        """The lane members crossing into a new block on the next step (running order), if that step does
+        nothing else: no member finishes or fills a block, the new blocks fit, the queue cannot be admitted
+        after them. None if the next step might do more (it must be taken with :meth:`step`)."""
+        if not self._settled():
+            return None
+        due = self.lane.due_crossings_alone()
+        if due is None:
+            return None
+        left = self.pool.num_available - len(due)
+        if left < 0 or not self._admission_blocked(left):
+            return None
+        return due
+
+    def cross(self, due: list[Sequence]) -> None:
+        """Take the step :meth:`crossing_step` answered ``due`` for: what ``step(stream=False)`` would do."""
+        self.scheduler.cross(due)
+        stats, running = self.stats, len(self.scheduler.running)
+        stats.steps += 1
+        stats.generated_tokens += len(self.lane.members)
+        used = self.pool.num_used
+        if used >= stats.peak_blocks_used:
+            stats.observe_memory(used, self.tokens_held(), self.config.block_size, running)
+        elif running > stats.peak_running:
+            stats.peak_running = running

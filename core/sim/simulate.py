@@ -11,24 +11,20 @@ for the paged allocator and the static max-length baseline side by side.
 
 from __future__ import annotations
 
-import itertools
 import math
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.errors import ConfigError
+from pagedkv.core.sim.lane_run import run_lane
 from pagedkv.core.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
-from pagedkv.core.sim.quiet_run import quiet_run
 from pagedkv.core.sim.step_time_model import StepTimeModel
+from pagedkv.core.sim.tally import RunTally
 from pagedkv.core.sim.workload import Workload, synth_prompt
 from pagedkv.core.stats import summarize
 
 # --- one simulated run -------------------------------------------------------------------------------------------
-
-PROGRESS_EVERY = 512  # steps between progress reports
-
 
 @dataclass
 class SimSetup:
@@ -98,16 +94,17 @@ def run_once(
     from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
     runner = SimulatedRunner(setup.model_config)
-    now = 0.0  # simulated seconds; telemetry stamps them, so a replay's --speed is relative to the simulated run
-    try:
+    bs = setup.block_size
+    prompt_len: dict[str, int] = {}
+    tally = RunTally(step_time, bs, prompt_len, series, progress, len(workload.requests))
+    try:  # telemetry stamps the simulated clock, so a replay's --speed is relative to the simulated run
         engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane,
-                           clock=lambda: now)
+                           clock=lambda: tally.now)
     except ConfigError as exc:
         raise SimulationError(f"{exc} (setting: {_budget_text(setup)})") from None
     _check_fits(workload, engine, setup)
     if step_time is None:
-        step_time = default_step_time(setup, engine)
-    bs = setup.block_size
+        tally.step_time = step_time = default_step_time(setup, engine)
     reqs = sorted(
         enumerate(workload.requests),
         key=lambda p: (p[1].arrival_step or 0) if workload.clock == "step" else p[1].arrival,
@@ -115,29 +112,17 @@ def run_once(
     by_step = workload.clock == "step"
     vocab = engine.vocab_size
     arrival: dict[str, float] = {}
-    prompt_len: dict[str, int] = {}
-    first_token: dict[str, float] = {}
-    finished: dict[str, float] = {}
-    t_used = array("d")
-    used_series = array("i")
-    running_sum = running_time = usage_sum = waste_sum = 0.0
-    waste_steps = 0
-    peak_running = 0
-    now = 0.0
-    step = 0
     i, n = 0, len(reqs)
     started = time.perf_counter()
     num_blocks = engine.num_blocks
-    sched = engine.scheduler
-    pool = engine.pool
     while i < n or engine.has_unfinished():
         if not engine.has_unfinished():  # idle: jump to the next arrival
             if by_step:
-                step = max(step, reqs[i][1].arrival_step or 0)
+                tally.step = max(tally.step, reqs[i][1].arrival_step or 0)
             else:
-                now = max(now, reqs[i][1].arrival)
+                tally.now = max(tally.now, reqs[i][1].arrival)
         while i < n and (
-            (reqs[i][1].arrival_step or 0) <= step if by_step else reqs[i][1].arrival <= now
+            (reqs[i][1].arrival_step or 0) <= tally.step if by_step else reqs[i][1].arrival <= tally.now
         ):
             index, req = reqs[i]
             rid = req.request_id if req.request_id is not None else str(index)
@@ -146,62 +131,19 @@ def run_once(
                 engine.add_request(synth_prompt(req, index, vocab), params, request_id=rid)
             except RequestRejected as exc:
                 raise SimulationError(f"{req.source}: {exc}") from None
-            arrival[rid] = now
+            arrival[rid] = tally.now
             prompt_len[rid] = req.prompt_len
             i += 1
         outs = engine.step(stream=False)
-        out = runner.last
-        step += 1
-        prefill, decodes, context = 0, getattr(out, "lane_decodes", 0), getattr(out, "lane_context", 0)
-        for item in out.scheduled:
-            seq = item.seq
-            ctx = item.context_len
-            if item.num_new_tokens == 1 and ctx >= prompt_len[seq.request_id]:
-                decodes += 1
-                context += ctx
+        tally.real_step(engine, runner.last, outs)
+        if setup.jump:  # the steps ahead that only move the decode lane, up to the next arrival
+            if i >= n:
+                run_lane(engine, tally, None, None)
+            elif by_step:
+                run_lane(engine, tally, None, reqs[i][1].arrival_step or 0)
             else:
-                prefill += item.num_new_tokens
-        dt = step_time.step_seconds(prefill, decodes, context)
-        now += dt
-        for item in out.scheduled:  # (after the step, so ``item.samples`` no longer holds)
-            rid = item.seq.request_id
-            if rid not in first_token and item.context_len + item.num_new_tokens >= prompt_len[rid]:
-                first_token[rid] = now
-        for o in outs:
-            finished[o.request_id] = now
-        running = len(sched.running)
-        peak_running = max(peak_running, running)
-        running_sum += running
-        running_time += running * dt
-        used = pool.num_used
-        usage_sum += used
-        if used:
-            waste_sum += 1.0 - engine.tokens_held() / (used * bs)
-            waste_steps += 1
-        if series:
-            t_used.append(now)
-            used_series.append(used)
-        if progress is not None and not step % PROGRESS_EVERY:
-            progress(len(finished), n)
-        quiet = engine.quiet_steps() if setup.jump else 0
-        if quiet and i < n:  # stop before the step at which the next request arrives
-            quiet = min(quiet, (reqs[i][1].arrival_step or 0) - step) if by_step else quiet
-        if quiet > 0:
-            jump = quiet_run(engine, step_time, quiet, now, None if by_step or i >= n else reqs[i][1].arrival)
-            quiet = len(jump.t)
-        if quiet > 0:
-            engine.skip(quiet)
-            if progress is not None and (step + quiet) // PROGRESS_EVERY > step // PROGRESS_EVERY:
-                progress(len(finished), n)
-            step += quiet
-            now = float(jump.t[-1])
-            running_sum += running * quiet
-            usage_sum += used * quiet
-            running_time, waste_sum = jump.running_time(running_time), jump.waste(waste_sum)
-            waste_steps += quiet if used else 0
-            if series:
-                t_used.frombytes(jump.t.tobytes())
-                used_series.extend(itertools.repeat(used, quiet))
+                run_lane(engine, tally, reqs[i][1].arrival, None)
+    finished, first_token, now = tally.finished, tally.first_token, tally.now
     if progress is not None:
         progress(len(finished), n)
     wall = time.perf_counter() - started
@@ -226,14 +168,14 @@ def run_once(
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "steps": stats.steps,
-        "peak_running": peak_running,
-        "mean_running": running_sum / steps,
-        "mean_running_time_weighted": running_time / makespan,
+        "peak_running": tally.peak_running,
+        "mean_running": tally.running_sum / steps,
+        "mean_running_time_weighted": tally.running_time / makespan,
         "peak_kv_blocks_used": stats.peak_blocks_used,
         "peak_kv_usage_pct": 100.0 * stats.peak_blocks_used / num_blocks,
-        "mean_kv_usage_pct": 100.0 * usage_sum / steps / num_blocks,
+        "mean_kv_usage_pct": 100.0 * tally.usage_sum / steps / num_blocks,
         "kv_waste_pct_at_peak": 100.0 * stats.waste_at_peak,
-        "mean_kv_waste_pct": 100.0 * waste_sum / waste_steps if waste_steps else 0.0,
+        "mean_kv_waste_pct": 100.0 * tally.waste_sum / tally.waste_steps if tally.waste_steps else 0.0,
         "preemptions": stats.preemptions,
         "tokens_recomputed": stats.tokens_recomputed,
         "prefill_tokens_computed": stats.prefill_tokens_computed,
@@ -251,7 +193,7 @@ def run_once(
         "step_time_model": step_time.describe(),
     }
     if series:
-        result["series"] = {"t": t_used, "blocks_used": used_series}
+        result["series"] = {"t": tally.t_used, "blocks_used": tally.used_series}
     return result
 
 
