@@ -142,9 +142,9 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
     counts = {"skipped": 0, "preempting": 0}
     skip, preempting = SimEngine.skip, DecodeLaneScheduling._step_lane_preempting
 
-    def counting_skip(self, steps):
+    def counting_skip(self, steps, **kwargs):
         counts["skipped"] += steps
-        return skip(self, steps)
+        return skip(self, steps, **kwargs)
 
     def counting_preempting(self, *args):
         counts["preempting"] += 1
@@ -157,6 +157,28 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
     assert counts["skipped"] > (result["steps"] // 2 if case == "static baseline" else 0)
     if case.startswith("preempting"):
         assert counts["preempting"] > 10
+
+
+@pytest.mark.parametrize("case", ["roomy", "preempting, small budget", "poisson arrivals, chunked prefill",
+                                  "n > 1 without forking", "swapping instead of recomputing"])
+def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
+    """The comparisons above must cover the steps ``run_lane`` takes past the engine's step: ones where
+    members cross into new blocks (several at once), stopped short of a finish, an admission or a preemption."""
+    crossed = []
+    cross = SimEngine.cross
+
+    def counting_cross(self, due):
+        crossed.append(len(due))
+        return cross(self, due)
+
+    monkeypatch.setattr(SimEngine, "cross", counting_cross)
+    name, n, rate, setup = CASES[case]
+    workload = builtin_workload(name, n, seed=3, request_rate=rate)
+    if case.startswith("n > 1"):
+        workload.requests = [replace(r, n=1 + i % 3) for i, r in enumerate(workload.requests)]
+    result = run_once(workload, setup, series=False)
+    assert len(crossed) > result["steps"] // 10
+    assert max(crossed) > 1
 
 
 def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):

@@ -57,9 +57,8 @@ class DecodeLane:
         self.newest = -1  # largest run_order a member has had since the last flush (an upper bound)
         self._offset = 0  # sum over members of (computed at join - clock at join)
         # A member crosses into a new block every ``block_size`` steps: bucket r holds, in running order,
-        # the members crossing on the steps congruent to r (put there at their first crossing)
+        # the members crossing on the lane steps congruent to r modulo the block size
         self._buckets: list[list[Sequence]] = [[] for _ in range(block_size)]
-        self._late: dict[int, list[tuple[Sequence, int]]] = {}  # first crossings more than a block away
         self._finishes: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members finishing then
         # lane step -> members whose last block becomes full then (for ``pagedkv_on_block_full`` plugins)
         self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
@@ -80,7 +79,7 @@ class DecodeLane:
         heap = self._event_steps
         fills = self._fills or {}
         while heap and (heap[0] <= self.clock or not (
-            heap[0] in self._late or heap[0] in self._finishes or heap[0] in fills
+            heap[0] in self._finishes or heap[0] in fills
         )):
             heapq.heappop(heap)
         nxt = heap[0] if heap else None
@@ -127,16 +126,14 @@ class DecodeLane:
             self._book(self._fills, step, (seq, member.serial))
 
     def _plan_crossing(self, seq: Sequence, member: _Member) -> None:
-        """A joining member goes in the bucket of the step it first needs a block on (or that step is booked:
-        a table with room for more than one block's tokens ahead, which the built-in allocators never give)."""
+        """A joining member goes in the bucket of the step it first needs a block on, if it ever does."""
         step = self.clock + len(seq.block_table.blocks) * self.block_size - member.computed + 1
         if step > member.last_step:
-            return
-        if step - self.clock <= self.block_size:
-            member.residue = step % self.block_size
-            insort(self._buckets[member.residue], seq, key=_run_order)
-        else:
-            self._book(self._late, step, (seq, member.serial))
+            return  # (a static reservation: never)
+        if step - self.clock > self.block_size:  # the lane grows tables as the built-in allocators do
+            raise RuntimeError(f"decode lane: {seq.request_id} holds more than a block of room ahead")
+        member.residue = step % self.block_size
+        insort(self._buckets[member.residue], seq, key=_run_order)
 
     def _live(self, entries: list[tuple[Sequence, int]]) -> list[Sequence]:
         members = self.members
@@ -149,13 +146,7 @@ class DecodeLane:
 
     def due_crossings(self) -> list[Sequence]:
         """Members that need a new block on the coming step, in running order (not yet taken)."""
-        step = self.clock + 1
-        due = list(self._buckets[step % self.block_size])
-        entries = self._late.get(step)
-        if entries:
-            due.extend(self._live(entries))
-            due.sort(key=_run_order)
-        return due
+        return list(self._buckets[(self.clock + 1) % self.block_size])
 
     def due_crossings_alone(self) -> list[Sequence] | None:
         """:meth:`due_crossings`, or None if on the coming step a member may also finish or fill a block."""
@@ -163,19 +154,6 @@ class DecodeLane:
         if step in self._finishes or (self._fills is not None and step in self._fills):
             return None  # (possibly an entry left behind by an earlier membership: the real step will tell)
         return self.due_crossings()
-
-    def take_crossings(self, allocated: list[Sequence]) -> None:
-        """The scheduler gave each of ``allocated`` (the due crossings, all still members) its block.
-        Members in a bucket cross again a block later by themselves; a late first crossing joins its bucket."""
-        step = self.clock + 1
-        if self._late.pop(step, None) is None:
-            return
-        residue = step % self.block_size
-        for seq in allocated:
-            member = self.members[seq]
-            if member.residue is None:
-                member.residue = residue
-                insort(self._buckets[residue], seq, key=_run_order)
 
     def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """One step passed: every member decoded one token.
@@ -229,7 +207,6 @@ class DecodeLane:
             self.outside[seq] = None
         for bucket in self._buckets:
             bucket.clear()
-        self._late.clear()
         self._finishes.clear()
         if self._fills is not None:
             self._fills.clear()

@@ -1,14 +1,14 @@
 """Taking the steps that only move the decode lane without the engine's step machinery.
 
 When every running sequence rides the lane (nothing prefilling, swapped or failed, no
-allocator plugins) and the waiting queue cannot be admitted, the coming steps do nothing
-but move the lane: members decode, some cross into a new block, until one of them finishes
-or fills a watched block, a request arrives, the crossings no longer fit in the free pool
-(a preemption may follow) or the pool has room enough to admit (see
-:meth:`SimEngine.lane_steps_ahead`). Quiet stretches (no crossing) are jumped over in one move
-(:mod:`~pagedkv.core.sim.quiet_run`); a step with crossings is taken directly
-(:meth:`SimEngine.cross`): its blocks handed out in running order, as the real step would.
-The first step that may do more is left to ``engine.step``.
+allocator plugins) and the free blocks are too few to admit the head of the queue
+(:meth:`SimEngine.admission_floor`), the coming steps do nothing but move the lane:
+members decode, and some cross into a new block, until one of them finishes or fills a
+watched block, a request arrives, a step's crossings no longer fit in the free pool (a
+preemption may follow) or would leave room enough to admit. Those steps are taken here:
+a quiet stretch (no crossing) in one move (long ones through :mod:`~pagedkv.core.sim.quiet_run`),
+a step with crossings by :meth:`SimEngine.cross` (blocks handed out in running order, as the
+real step does). The first step that may do more is left to ``engine.step``.
 """
 
 from __future__ import annotations
@@ -18,34 +18,56 @@ from typing import Any
 from pagedkv.core.sim.quiet_run import quiet_run
 from pagedkv.core.sim.tally import RunTally
 
-SHORT_GAP = 8  # quiet stretches up to this long are taken step by step (cheaper than the numpy jump)
+SHORT_GAP = 8  # quiet stretches up to this long are counted step by step (cheaper than the numpy jump)
 
 
 def run_lane(engine: Any, tally: RunTally, arrival: float | None, arrival_step: int | None) -> None:
     """Take every step ahead that only moves the lane, stopping before the step at whose start the next
     request arrives (``arrival`` in simulated seconds, or ``arrival_step`` on a step clock)."""
-    lane, pool, running = engine.lane, engine.pool, engine.scheduler.running
-    while True:
+    floor = engine.admission_floor()
+    if floor is None:  # outside the lane's steady state, only a quiet stretch after a quiet step can be jumped
         quiet = engine.quiet_steps()
         if arrival_step is not None:
             quiet = min(quiet, arrival_step - tally.step)
+        if quiet > 0:
+            _jump(engine, tally, quiet, arrival)
+        return
+    lane, pool = engine.lane, engine.pool
+    members = len(lane.members)
+    while True:
         if arrival is not None and tally.now >= arrival or arrival_step is not None and tally.step >= arrival_step:
             return
-        if quiet > SHORT_GAP:
-            jump = quiet_run(engine, tally.step_time, quiet, tally.now, arrival)
-            if not len(jump.t):
-                return
-            engine.skip(len(jump.t))
-            tally.jump(jump, len(running), pool.num_used)
+        free = pool.num_available
+        gap = lane.next_event() - lane.clock - 1  # (members always have an event: their last step)
+        if gap > 0:
+            if free >= floor:
+                return  # the next step admits
+            if arrival_step is not None:
+                gap = min(gap, arrival_step - tally.step)
+            if gap > SHORT_GAP:
+                if not _jump(engine, tally, gap, arrival):
+                    return
+                continue
+            tokens, used, steps = lane.tokens(), pool.num_used, 0
+            while steps < gap and (arrival is None or tally.now < arrival):
+                tally.lane_step(members, tokens, used, tokens + members)
+                tokens += members
+                steps += 1
+            engine.skip(steps, checked=True)
             continue
-        if quiet > 0:
-            members, context = len(lane.members), lane.tokens()
-            engine.skip(1)
-            tally.lane_step(members, context, pool.num_used, engine.tokens_held())
-            continue
-        due = engine.crossing_step()
-        if due is None:
-            return
-        members, context = len(lane.members), lane.tokens()
+        due = lane.due_crossings_alone()
+        if due is None or len(due) > free or free - len(due) >= floor:
+            return  # a member finishes or fills a block, a preemption may follow, or the step admits
+        tokens = lane.tokens()
         engine.cross(due)
-        tally.lane_step(members, context, pool.num_used, engine.tokens_held())
+        tally.lane_step(members, tokens, pool.num_used, tokens + members)
+
+
+def _jump(engine: Any, tally: RunTally, quiet: int, arrival: float | None) -> int:
+    """Up to ``quiet`` quiet steps in one move, cut before an ``arrival``; returns how many were taken."""
+    jump = quiet_run(engine, tally.step_time, quiet, tally.now, arrival)
+    steps = len(jump.t)
+    if steps:
+        engine.skip(steps, checked=True)
+        tally.jump(jump, len(engine.scheduler.running), engine.pool.num_used)
+    return steps

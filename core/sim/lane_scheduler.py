@@ -158,7 +158,6 @@ class DecodeLaneScheduling:
                     raise RuntimeError("blocks counted as available could not be allocated; this is a bug in pagedkv")
         for seq, num_new in zip(outside, grants):
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-        lane.take_crossings(due)
         self.quiet = not due and not outside
         return budget - members - sum(grants)
 
@@ -198,7 +197,6 @@ class DecodeLaneScheduling:
             if seq.status is SequenceStatus.RUNNING:
                 out.scheduled.append(ScheduledSeq(seq, want[seq], seq.num_computed_tokens))
                 used += want[seq]
-        lane.take_crossings([s for s in due if s in lane.members])
         return budget - members - used
 
     def admission_floor(self) -> int | None:
@@ -219,9 +217,7 @@ class DecodeLaneScheduling:
         self.step_index += 1
         for seq, block in zip(due, self.allocator.pool.allocate_many(len(due))):
             seq.block_table.blocks.append(block)
-        lane = self.lane
-        lane.take_crossings(due)
-        lane.skip(1)
+        self.lane.skip(1)  # (members in a bucket cross again a block later: nothing to book)
         self.quiet = not due
 
     def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:

@@ -77,43 +77,46 @@ class SimEngine(Engine):
 
     # --- steps that only move the lane, taken without the step machinery (see lane_run) ----------------------
 
-    def _settled(self) -> bool:
-        """Every running sequence rides the lane, nothing is swapped or failed, and the lane covers the batch."""
+    def admission_floor(self) -> int | None:
+        """Where every running sequence rides the lane (nothing prefilling, swapped or failed, no allocator
+        plugins, the batch within the token budget): the fewest free blocks with which the next step would
+        admit a waiting request (``num_blocks + 1`` if none however many are free). None elsewhere."""
         lane, sched = self.lane, self.scheduler
-        return bool(
+        if not (
             lane is not None and lane.members and not lane.outside and not sched.swapped and not sched.failed
-            and len(lane.members) <= sched.max_num_batched_tokens
-        )
-
-    def _admission_blocked(self, available: int) -> bool:
-        """The next step's admission phase admits nothing with ``available`` blocks (no allocator plugins)."""
-        if self.allocator.hooks is not None:
-            return False  # a prefix-cache lookup may have effects: leave it to the real step
-        floor = self.scheduler.admission_floor()
-        return floor is None or available < floor
+            and len(lane.members) <= sched.max_num_batched_tokens and self.allocator.hooks is None
+        ):
+            return None
+        floor = sched.admission_floor()
+        return self.num_blocks + 1 if floor is None else floor
 
     def quiet_steps(self) -> int:
         """How many steps from now would only move the lane (0 if the next one might do more).
 
         Until a lane member's event (a block boundary, a full block, its last token) the pool and
         the queues do not change, so neither does any admission decision: after a quiet step (only
-        the lane moved) or where the waiting queue cannot be admitted now, the steps up to that event
-        are quiet. Requests added in between are the caller's to account for (it knows arrivals).
+        the lane moved), or where the free blocks are below :meth:`admission_floor`, the steps up to
+        that event are quiet. Requests added in between are the caller's to account for (it knows arrivals).
         """
         lane, sched = self.lane, self.scheduler
-        if not self._settled():
+        if lane is None:
             return 0
-        if not sched.quiet:
-            if not self._admission_blocked(self.pool.num_available):
+        if sched.quiet:
+            if lane.outside or sched.swapped or sched.failed:
                 return 0
-        elif sched.waiting and self.allocator.hooks is not None:  # a prefix-cache lookup may have effects
-            return 0
+            if sched.waiting and self.allocator.hooks is not None:  # a prefix-cache lookup may have effects
+                return 0
+        else:
+            floor = self.admission_floor()
+            if floor is None or self.pool.num_available >= floor:
+                return 0
         nxt = lane.next_event()
         return max(0, nxt - lane.clock - 1) if nxt is not None else 0
 
-    def skip(self, steps: int) -> None:
-        """Take ``steps`` quiet steps in one move: what ``steps`` calls of ``step(stream=False)`` would do."""
-        if not 0 <= steps <= self.quiet_steps():
+    def skip(self, steps: int, checked: bool = False) -> None:
+        """Take ``steps`` quiet steps in one move: what ``steps`` calls of ``step(stream=False)`` would do.
+        ``checked``: the caller made sure they are quiet (as :func:`~pagedkv.core.sim.lane_run.run_lane` does)."""
+        if not checked and not 0 <= steps <= self.quiet_steps():
             raise ValueError(f"cannot skip {steps} steps: only {self.quiet_steps()} are quiet")
         if not steps:
             return
@@ -126,22 +129,11 @@ class SimEngine(Engine):
         if used >= stats.peak_blocks_used:  # waste at a tied peak falls as tokens grow: the last step's is the min
             stats.observe_memory(used, self.tokens_held(), self.config.block_size, len(self.scheduler.running))
 
-    def crossing_step(self) -> list[Sequence] | None:
-        """The lane members crossing into a new block on the next step (running order), if that step does
-        nothing else: no member finishes or fills a block, the new blocks fit, the queue cannot be admitted
-        after them. None if the next step might do more (it must be taken with :meth:`step`)."""
-        if not self._settled():
-            return None
-        due = self.lane.due_crossings_alone()
-        if due is None:
-            return None
-        left = self.pool.num_available - len(due)
-        if left < 0 or not self._admission_blocked(left):
-            return None
-        return due
-
     def cross(self, due: list[Sequence]) -> None:
-        """Take the step :meth:`crossing_step` answered ``due`` for: what ``step(stream=False)`` would do."""
+        """The next step, in which only the lane moves and its members ``due`` (the lane's crossings for it)
+        each take a new block, as ``step(stream=False)`` takes it. The caller checked that it is one: no
+        member finishes or fills a block then, the blocks fit, and fewer than :meth:`admission_floor` are
+        left after them."""
         self.scheduler.cross(due)
         stats, running = self.stats, len(self.scheduler.running)
         stats.steps += 1

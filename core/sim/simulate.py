@@ -11,6 +11,7 @@ for the paged allocator and the static max-length baseline side by side.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -86,6 +87,28 @@ def run_once(
     ``after_run(engine)`` when the last request finished, before the figures are read
     (the command line closes a trace with it).
     """
+    # A run keeps ~10 objects per request alive and makes almost no reference cycles: the cyclic
+    # collector's passes over the live ones are pure cost, growing with the run (15% of a 20k-request run).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(workload, setup, step_time, plugins=plugins, series=series, progress=progress,
+                    after_run=after_run)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run(
+    workload: Workload,
+    setup: SimSetup,
+    step_time: StepTimeModel | None = None,
+    *,
+    plugins: tuple[Any, ...] = (),
+    series: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    after_run: Callable[[Any], None] | None = None,
+) -> dict:
     import time
 
     from pagedkv.core.errors import RequestRejected
