@@ -163,12 +163,13 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
                                   "n > 1 without forking", "swapping instead of recomputing"])
 def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
     """The comparisons above must cover the steps ``run_lane`` takes past the engine's step: ones where
-    members cross into new blocks (several at once), stopped short of a finish, an admission or a preemption."""
-    crossed = []
+    members cross into new blocks (several at once), and ones where those blocks do not fit and it preempts."""
+    crossed, preempting = [], []
     cross = SimEngine.cross
 
     def counting_cross(self, due):
         crossed.append(len(due))
+        preempting.append(len(due) > self.pool.num_available)
         return cross(self, due)
 
     monkeypatch.setattr(SimEngine, "cross", counting_cross)
@@ -179,6 +180,8 @@ def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
     result = run_once(workload, setup, series=False)
     assert len(crossed) > result["steps"] // 10
     assert max(crossed) > 1
+    if case.startswith("preempting"):
+        assert sum(preempting) > 10
 
 
 def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):

@@ -151,8 +151,9 @@ class DecodeLane:
     def due_crossings_alone(self) -> list[Sequence] | None:
         """:meth:`due_crossings`, or None if on the coming step a member may also finish or fill a block."""
         step = self.clock + 1
-        if step in self._finishes or (self._fills is not None and step in self._fills):
-            return None  # (possibly an entry left behind by an earlier membership: the real step will tell)
+        finishes = self._finishes.get(step)
+        if finishes and self._live(finishes) or self._fills is not None and step in self._fills:
+            return None
         return self.due_crossings()
 
     def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:

@@ -4,11 +4,12 @@ When every running sequence rides the lane (nothing prefilling, swapped or faile
 allocator plugins) and the free blocks are too few to admit the head of the queue
 (:meth:`SimEngine.admission_floor`), the coming steps do nothing but move the lane:
 members decode, and some cross into a new block, until one of them finishes or fills a
-watched block, a request arrives, a step's crossings no longer fit in the free pool (a
-preemption may follow) or would leave room enough to admit. Those steps are taken here:
-a quiet stretch (no crossing) in one move (long ones through :mod:`~pagedkv.core.sim.quiet_run`),
-a step with crossings by :meth:`SimEngine.cross` (blocks handed out in running order, as the
-real step does). The first step that may do more is left to ``engine.step``.
+watched block, a request arrives, or a step's crossings would leave room enough to admit.
+Those steps are taken here: a quiet stretch (no crossing) in one move (long ones through
+:mod:`~pagedkv.core.sim.quiet_run`), a step with crossings by :meth:`SimEngine.cross` (blocks
+handed out in running order, as the real step does, and where they do not fit, the newest
+sequences preempted as the real step preempts them). The first step that may do more is
+left to ``engine.step``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def run_lane(engine: Any, tally: RunTally, arrival: float | None, arrival_step: 
             _jump(engine, tally, quiet, arrival)
         return
     lane, pool = engine.lane, engine.pool
-    members = len(lane.members)
+    preempts = engine.lane_preempts()
     while True:
         if arrival is not None and tally.now >= arrival or arrival_step is not None and tally.step >= arrival_step:
             return
@@ -48,7 +49,7 @@ def run_lane(engine: Any, tally: RunTally, arrival: float | None, arrival_step: 
                 if not _jump(engine, tally, gap, arrival):
                     return
                 continue
-            tokens, used, steps = lane.tokens(), pool.num_used, 0
+            members, tokens, used, steps = len(lane.members), lane.tokens(), pool.num_used, 0
             while steps < gap and (arrival is None or tally.now < arrival):
                 tally.lane_step(members, tokens, used, tokens + members)
                 tokens += members
@@ -56,11 +57,17 @@ def run_lane(engine: Any, tally: RunTally, arrival: float | None, arrival_step: 
             engine.skip(steps, checked=True)
             continue
         due = lane.due_crossings_alone()
-        if due is None or len(due) > free or free - len(due) >= floor:
-            return  # a member finishes or fills a block, a preemption may follow, or the step admits
-        tokens = lane.tokens()
-        engine.cross(due)
-        tally.lane_step(members, tokens, pool.num_used, tokens + members)
+        if due is None:
+            return  # a member finishes or fills a block
+        preempting = len(due) > free
+        if preempting and not preempts or not preempting and free - len(due) >= floor:
+            return  # a plugin decides the preemption, or the step admits
+        members, context = engine.cross(due)
+        tally.lane_step(members, context, pool.num_used, lane.tokens())
+        if preempting:  # the queue's head and the lane changed
+            floor = engine.admission_floor()
+            if floor is None:
+                return
 
 
 def _jump(engine: Any, tally: RunTally, quiet: int, arrival: float | None) -> int:

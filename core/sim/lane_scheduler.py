@@ -210,15 +210,25 @@ class DecodeLaneScheduling:
         seq = self.waiting[0]
         return self.allocator.num_new_blocks(seq, min(seq.num_uncomputed, budget)) + max(self.watermark_blocks, 0)
 
-    def cross(self, due: list[Sequence]) -> None:
-        """A step in which lane members ``due`` (the coming step's crossings, in running order) each take a
-        new block and nothing else happens (the caller checked: no finish or fill, blocks enough, nothing
-        admitted): the blocks and calendar the lane step gives, without building the step's output."""
+    def cross(self, due: list[Sequence]) -> LaneOutput | None:
+        """A step in which only the lane moves, members ``due`` (the coming step's crossings, in running order)
+        each taking a new block; the caller checked that no member finishes or fills a block then and, if
+        the blocks fit, that nothing is admitted after them. If they do not fit, the newest sequences are
+        preempted as in the real step (no plugin may choose how: ``hooks`` is None), and the step's output,
+        holding them, is returned; then nothing is admitted either (a step that preempts admits nothing)."""
         self.step_index += 1
-        for seq, block in zip(due, self.allocator.pool.allocate_many(len(due))):
-            seq.block_table.blocks.append(block)
-        self.lane.skip(1)  # (members in a bucket cross again a block later: nothing to book)
-        self.quiet = not due
+        pool, lane = self.allocator.pool, self.lane
+        out = None
+        if len(due) <= pool.num_available:
+            for seq, block in zip(due, pool.allocate_many(len(due))):
+                seq.block_table.blocks.append(block)
+            self.quiet = not due  # (members in a bucket cross again a block later: nothing to book)
+        else:
+            out = LaneOutput()
+            self._step_lane_preempting(out, self.max_num_batched_tokens, due, [], [])
+            self.quiet = False
+        lane.advance()  # (no member finishes or fills a block: nothing is owed)
+        return out
 
     def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:
         """FCFS's bookkeeping, with lane members touched only when they fill a block or finish.

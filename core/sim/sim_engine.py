@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.invariants import check_invariants
@@ -54,10 +56,13 @@ class SimEngine(Engine):
         return self._step(stream)
 
     def _sample(self, out: Any, logits: Any) -> list[Sample]:
-        """Greedy over the runner's one-column logits is always its token: no tensor work for that."""
+        """Greedy over the runner's one-column logits is always its token: no tensor work for that
+        (a runner built with ``logits=False`` gives only the row count; the rows are made if needed)."""
         seqs, rows = sampling_rows(out, self._fork)
         if all(s.params.greedy for s in seqs):
             return [(s, SimulatedRunner.TOKEN, None) for s in seqs]
+        if isinstance(logits, int):
+            logits = torch.zeros((logits, 1))
         return self.sampling.draw(seqs, rows, logits)
 
     def plugin_stats(self) -> dict[str, Any]:
@@ -129,17 +134,27 @@ class SimEngine(Engine):
         if used >= stats.peak_blocks_used:  # waste at a tied peak falls as tokens grow: the last step's is the min
             stats.observe_memory(used, self.tokens_held(), self.config.block_size, len(self.scheduler.running))
 
-    def cross(self, due: list[Sequence]) -> None:
+    def lane_preempts(self) -> bool:
+        """A lane step may preempt without the step machinery: no plugin chooses how (swap or recompute)."""
+        return self.scheduler.hooks is None
+
+    def cross(self, due: list[Sequence]) -> tuple[int, int]:
         """The next step, in which only the lane moves and its members ``due`` (the lane's crossings for it)
         each take a new block, as ``step(stream=False)`` takes it. The caller checked that it is one: no
-        member finishes or fills a block then, the blocks fit, and fewer than :meth:`admission_floor` are
-        left after them."""
-        self.scheduler.cross(due)
-        stats, running = self.stats, len(self.scheduler.running)
+        member finishes or fills a block then, and either the blocks fit and fewer than :meth:`admission_floor`
+        are left after them, or they do not fit and :meth:`lane_preempts`. Returns the step's decodes and
+        their context (KV tokens read), for its duration."""
+        out = self.scheduler.cross(due)
+        stats, running, lane = self.stats, len(self.scheduler.running), self.lane
         stats.steps += 1
-        stats.generated_tokens += len(self.lane.members)
+        members = len(lane.members)
+        stats.generated_tokens += members
+        if out is not None:
+            stats.preemptions += len(out.preempted)
+            stats.tokens_recomputed = self.scheduler.tokens_discarded
         used = self.pool.num_used
         if used >= stats.peak_blocks_used:
             stats.observe_memory(used, self.tokens_held(), self.config.block_size, running)
         elif running > stats.peak_running:
             stats.peak_running = running
+        return members, lane.tokens() - members

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.sim.lane_run import run_lane
+from pagedkv.core.sim import lane_run
 from pagedkv.core.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
 from pagedkv.core.sim.step_time_model import StepTimeModel
 from pagedkv.core.sim.tally import RunTally
@@ -116,7 +116,7 @@ def _run(
     from pagedkv.core.sim.sim_engine import SimEngine
     from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
-    runner = SimulatedRunner(setup.model_config)
+    runner = SimulatedRunner(setup.model_config, logits=False)  # (SimEngine samples without them)
     bs = setup.block_size
     prompt_len: dict[str, int] = {}
     tally = RunTally(step_time, bs, prompt_len, series, progress, len(workload.requests))
@@ -161,11 +161,11 @@ def _run(
         tally.real_step(engine, runner.last, outs)
         if setup.jump:  # the steps ahead that only move the decode lane, up to the next arrival
             if i >= n:
-                run_lane(engine, tally, None, None)
+                lane_run.run_lane(engine, tally, None, None)
             elif by_step:
-                run_lane(engine, tally, None, reqs[i][1].arrival_step or 0)
+                lane_run.run_lane(engine, tally, None, reqs[i][1].arrival_step or 0)
             else:
-                run_lane(engine, tally, reqs[i][1].arrival, None)
+                lane_run.run_lane(engine, tally, reqs[i][1].arrival, None)
     finished, first_token, now = tally.finished, tally.first_token, tally.now
     if progress is not None:
         progress(len(finished), n)
