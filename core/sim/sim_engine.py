@@ -4,9 +4,10 @@
 runner, plus, where it decides exactly as one-by-one stepping (no forks or
 copy-on-write, no step-event listeners such as telemetry, FCFS's running loop and a
 built-in allocator), a scheduler whose steady decodes ride a
-:class:`~pagedkv.core.sim.decode_lane.DecodeLane`. It also lets its driver jump over
-quiet steps (:meth:`quiet_steps`, :meth:`skip`): steps in which nothing crosses a
-block boundary, fills a block, finishes, is admitted or preempted.
+:class:`~pagedkv.core.sim.decode_lane.DecodeLane`. It also lets its driver take the
+steps that only move the lane without the step machinery (see
+:mod:`~pagedkv.core.sim.lane_run`): quiet ones in one move (:meth:`quiet_steps`,
+:meth:`skip`), and ones where members cross into new blocks (:meth:`cross`).
 """
 
 from __future__ import annotations
