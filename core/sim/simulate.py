@@ -135,6 +135,7 @@ def _run(
     by_step = workload.clock == "step"
     vocab = engine.vocab_size
     arrival: dict[str, float] = {}
+    shared_params: dict[tuple[int, int], SamplingParams] = {}
     i, n = 0, len(reqs)
     started = time.perf_counter()
     num_blocks = engine.num_blocks
@@ -149,7 +150,10 @@ def _run(
         ):
             index, req = reqs[i]
             rid = req.request_id if req.request_id is not None else str(index)
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, n=req.n)
+            params = shared_params.get((req.output_len, req.n))  # (add_request takes its own checked copy)
+            if params is None:
+                params = shared_params[req.output_len, req.n] = SamplingParams(
+                    max_tokens=req.output_len, ignore_eos=True, n=req.n)
             try:
                 engine.add_request(synth_prompt(req, index, vocab), params, request_id=rid)
             except RequestRejected as exc:
