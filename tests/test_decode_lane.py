@@ -163,16 +163,23 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
                                   "n > 1 without forking", "swapping instead of recomputing"])
 def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
     """The comparisons above must cover the steps ``run_lane`` takes past the engine's step: ones where
-    members cross into new blocks (several at once), and ones where those blocks do not fit and it preempts."""
-    crossed, preempting = [], []
-    cross = SimEngine.cross
+    members cross into new blocks (several at once), ones where those blocks do not fit and it preempts, and
+    ones on which members finish (completed by the engine's step)."""
+    crossed, preempting, finishing = [], [], []
+    cross, cross_to_events = SimEngine.cross, SimEngine.cross_to_events
 
     def counting_cross(self, due):
         crossed.append(len(due))
         preempting.append(len(due) > self.pool.num_available)
         return cross(self, due)
 
+    def counting_cross_to_events(self, due):
+        outs = cross_to_events(self, due)
+        finishing.append(sum(o.finished for o in outs))
+        return outs
+
     monkeypatch.setattr(SimEngine, "cross", counting_cross)
+    monkeypatch.setattr(SimEngine, "cross_to_events", counting_cross_to_events)
     name, n, rate, setup = CASES[case]
     workload = builtin_workload(name, n, seed=3, request_rate=rate)
     if case.startswith("n > 1"):
@@ -180,6 +187,7 @@ def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
     result = run_once(workload, setup, series=False)
     assert len(crossed) > result["steps"] // 10
     assert max(crossed) > 1
+    assert sum(finishing) > n // 10
     if case.startswith("preempting"):
         assert sum(preempting) > 10
 

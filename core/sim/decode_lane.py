@@ -148,13 +148,11 @@ class DecodeLane:
         """Members that need a new block on the coming step, in running order (not yet taken)."""
         return list(self._buckets[(self.clock + 1) % self.block_size])
 
-    def due_crossings_alone(self) -> list[Sequence] | None:
-        """:meth:`due_crossings`, or None if on the coming step a member may also finish or fill a block."""
+    def events_next(self) -> bool:
+        """On the coming step a member finishes or fills a block (or may: a fill is not checked for liveness)."""
         step = self.clock + 1
         finishes = self._finishes.get(step)
-        if finishes and self._live(finishes) or self._fills is not None and step in self._fills:
-            return None
-        return self.due_crossings()
+        return bool(finishes and self._live(finishes) or self._fills is not None and step in self._fills)
 
     def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """One step passed: every member decoded one token.

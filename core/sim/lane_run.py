@@ -2,14 +2,16 @@
 
 When every running sequence rides the lane (nothing prefilling, swapped or failed, no
 allocator plugins) and the free blocks are too few to admit the head of the queue
-(:meth:`SimEngine.admission_floor`), the coming steps do nothing but move the lane:
-members decode, and some cross into a new block, until one of them finishes or fills a
-watched block, a request arrives, or a step's crossings would leave room enough to admit.
-Those steps are taken here: a quiet stretch (no crossing) in one move (long ones through
-:mod:`~pagedkv.core.sim.quiet_run`), a step with crossings by :meth:`SimEngine.cross` (blocks
-handed out in running order, as the real step does, and where they do not fit, the newest
-sequences preempted as the real step preempts them). The first step that may do more is
-left to ``engine.step``.
+(:meth:`SimEngine.admission_floor`), the coming step does nothing but move the lane:
+members decode, some cross into a new block (handed out in running order, as the real
+step does; where they do not fit and no plugin chooses how, the newest sequences are
+preempted as the real step preempts them), some may finish. Such steps are taken here,
+up to the next arrival or the first step whose crossings would leave room enough to admit:
+a quiet stretch (nothing crosses) in one move (long ones through
+:mod:`~pagedkv.core.sim.quiet_run`), a step with crossings by :meth:`SimEngine.cross`, and
+one on which members finish (or fill a watched block) by :meth:`SimEngine.cross_to_events`,
+which leaves the finishing and reporting to the engine's own step. Whatever may admit or
+swap in is left to ``engine.step``.
 """
 
 from __future__ import annotations
@@ -56,18 +58,21 @@ def run_lane(engine: Any, tally: RunTally, arrival: float | None, arrival_step: 
                 steps += 1
             engine.skip(steps, checked=True)
             continue
-        due = lane.due_crossings_alone()
-        if due is None:
-            return  # a member finishes or fills a block
+        due = lane.due_crossings()
         preempting = len(due) > free
         if preempting and not preempts or not preempting and free - len(due) >= floor:
             return  # a plugin decides the preemption, or the step admits
-        members, context = engine.cross(due)
-        tally.lane_step(members, context, pool.num_used, lane.tokens())
-        if preempting:  # the queue's head and the lane changed
-            floor = engine.admission_floor()
-            if floor is None:
-                return
+        if lane.events_next():  # members finish or fill a block: the engine's step completes it
+            outs = engine.cross_to_events(due)
+            tally.real_step(engine, engine.runner.last, outs)
+        else:
+            members, context = engine.cross(due)
+            tally.lane_step(members, context, pool.num_used, lane.tokens())
+            if not preempting:
+                continue
+        floor = engine.admission_floor()  # the queue's head, the lane or the pool changed
+        if floor is None:
+            return
 
 
 def _jump(engine: Any, tally: RunTally, quiet: int, arrival: float | None) -> int:

@@ -210,24 +210,31 @@ class DecodeLaneScheduling:
         seq = self.waiting[0]
         return self.allocator.num_new_blocks(seq, min(seq.num_uncomputed, budget)) + max(self.watermark_blocks, 0)
 
-    def cross(self, due: list[Sequence]) -> LaneOutput | None:
-        """A step in which only the lane moves, members ``due`` (the coming step's crossings, in running order)
-        each taking a new block; the caller checked that no member finishes or fills a block then and, if
-        the blocks fit, that nothing is admitted after them. If they do not fit, the newest sequences are
-        preempted as in the real step (no plugin may choose how: ``hooks`` is None), and the step's output,
-        holding them, is returned; then nothing is admitted either (a step that preempts admits nothing)."""
+    def cross(self, due: list[Sequence], events: bool = False) -> LaneOutput | None:
+        """The scheduling of a step in which only the lane moves, members ``due`` (the coming step's
+        crossings, in running order) each taking a new block; the caller checked that, if the blocks
+        fit, nothing is admitted after them. If they do not fit, the newest sequences are preempted as
+        in the real step (no plugin may choose how: ``hooks`` is None); then nothing is admitted either.
+
+        Without ``events`` (the caller checked that no member finishes or fills a block then) the step
+        is taken whole and its output returned only if it preempted. With ``events`` the step's output
+        is returned for :meth:`update_from_output` to finish and report, as after :meth:`schedule`."""
         self.step_index += 1
         pool, lane = self.allocator.pool, self.lane
-        out = None
+        out = LaneOutput() if events else None
         if len(due) <= pool.num_available:
             for seq, block in zip(due, pool.allocate_many(len(due))):
                 seq.block_table.blocks.append(block)
             self.quiet = not due  # (members in a bucket cross again a block later: nothing to book)
         else:
-            out = LaneOutput()
+            out = out or LaneOutput()
             self._step_lane_preempting(out, self.max_num_batched_tokens, due, [], [])
             self.quiet = False
-        lane.advance()  # (no member finishes or fills a block: nothing is owed)
+        if events:
+            out.lane_decodes, out.lane_context = len(lane.members), lane.tokens()
+            self.quiet = False
+        else:
+            lane.advance()  # (no member finishes or fills a block: nothing is owed)
         return out
 
     def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:

@@ -139,6 +139,11 @@ class SimEngine(Engine):
         """A lane step may preempt without the step machinery: no plugin chooses how (swap or recompute)."""
         return self.scheduler.hooks is None
 
+    def cross_to_events(self, due: list[Sequence]) -> list[RequestOutput]:
+        """As :meth:`cross`, on a step on which members also finish or fill a block: the lane scheduler
+        decides the step and the engine's own step completes it (finishes, outputs, figures)."""
+        return self._run_step(self.scheduler.cross(due, events=True), stream=False)
+
     def cross(self, due: list[Sequence]) -> tuple[int, int]:
         """The next step, in which only the lane moves and its members ``due`` (the lane's crossings for it)
         each take a new block, as ``step(stream=False)`` takes it. The caller checked that it is one: no
