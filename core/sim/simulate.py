@@ -3,8 +3,9 @@
 ``SimEngine(config, runner=SimulatedRunner(model_config))`` loads no model; its
 stand-in runner only counts tokens. This module drives it with a workload: requests
 are added when the simulated clock passes their arrival, the clock moves by a
-step-time model after each step (and over a run of quiet steps in one move, see
-:meth:`SimEngine.quiet_steps`), and the run's figures (concurrency, KV usage and waste, preemptions,
+step-time model after each step (the steps that only move the decode lane are taken
+past the engine's step, see :mod:`~pagedkv.core.sim.lane_run`; the figures add up in a
+:class:`~pagedkv.core.sim.tally.RunTally`), and the run's figures (concurrency, KV usage and waste, preemptions,
 swap traffic, prefix hits, TTFT and throughput estimates) come back as a dict,
 for the paged allocator and the static max-length baseline side by side.
 """
