@@ -22,9 +22,12 @@ from pagedkv.core.allocator import PagedAllocator, StaticAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.scheduler import FCFSScheduler
+from pagedkv.core.sim.lane_run import run_lane
 from pagedkv.core.sim.sim_engine import SimEngine
 from pagedkv.core.sim.simulate import SimSetup, run_once
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.core.sim.step_time_model import StepTimeModel
+from pagedkv.core.sim.tally import RunTally
 from pagedkv.core.sim.workload import builtin_workload
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -386,6 +389,20 @@ class TwinMachine(RuleBasedStateMachine):
     def abort(self, which):
         request_id = self.active.pop(which % len(self.active))
         assert all(engine.abort(request_id) for engine in self.engines)
+
+    @precondition(lambda self: self.engines[0].has_unfinished())
+    @rule()
+    def run_the_lane(self):
+        """The steps ``run_lane`` takes past the engine's step are what as many one-by-one steps do."""
+        plain, laned = self.engines
+        tally = RunTally(StepTimeModel(1e-3, 1e-5, 1e-4, 1e-7), laned.config.block_size, {}, False, None, 0)
+        run_lane(laned, tally, None, None)
+        finished = []
+        for _ in range(tally.step):
+            finished += [o.request_id for o in plain.step(stream=False) if o.finished]
+        assert finished == list(tally.finished)
+        for request_id in finished:
+            self.active.remove(request_id)
 
     @rule(budget=st.integers(1, 40))
     def change_token_budget(self, budget):
