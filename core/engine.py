@@ -208,8 +208,11 @@ class Engine:
         return self._step(stream)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
+        return self._run_step(self.scheduler.schedule(), stream)
+
+    def _run_step(self, out: SchedulerOutput, stream: bool) -> list[RequestOutput]:
+        """The step the scheduler decided (``out``): execute, sample, book it, report."""
         scheduler = self.scheduler
-        out = scheduler.schedule()
         touched: dict[str, None] = {}
         if not out.is_empty:
             logits = self.runner.execute(out)

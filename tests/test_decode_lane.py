@@ -22,9 +22,12 @@ from pagedkv.core.allocator import PagedAllocator, StaticAllocator
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.scheduler import FCFSScheduler
+from pagedkv.core.sim.lane_run import run_lane
 from pagedkv.core.sim.sim_engine import SimEngine
 from pagedkv.core.sim.simulate import SimSetup, run_once
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.core.sim.step_time_model import StepTimeModel
+from pagedkv.core.sim.tally import RunTally
 from pagedkv.core.sim.workload import builtin_workload
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -142,9 +145,9 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
     counts = {"skipped": 0, "preempting": 0}
     skip, preempting = SimEngine.skip, DecodeLaneScheduling._step_lane_preempting
 
-    def counting_skip(self, steps):
+    def counting_skip(self, steps, **kwargs):
         counts["skipped"] += steps
-        return skip(self, steps)
+        return skip(self, steps, **kwargs)
 
     def counting_preempting(self, *args):
         counts["preempting"] += 1
@@ -157,6 +160,39 @@ def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch
     assert counts["skipped"] > (result["steps"] // 2 if case == "static baseline" else 0)
     if case.startswith("preempting"):
         assert counts["preempting"] > 10
+
+
+@pytest.mark.parametrize("case", ["roomy", "preempting, small budget", "poisson arrivals, chunked prefill",
+                                  "n > 1 without forking", "swapping instead of recomputing"])
+def test_cases_exercise_lane_steps_with_block_crossings(case, monkeypatch):
+    """The comparisons above must cover the steps ``run_lane`` takes past the engine's step: ones where
+    members cross into new blocks (several at once), ones where those blocks do not fit and it preempts, and
+    ones on which members finish (completed by the engine's step)."""
+    crossed, preempting, finishing = [], [], []
+    cross, cross_to_events = SimEngine.cross, SimEngine.cross_to_events
+
+    def counting_cross(self, due):
+        crossed.append(len(due))
+        preempting.append(len(due) > self.pool.num_available)
+        return cross(self, due)
+
+    def counting_cross_to_events(self, due):
+        outs = cross_to_events(self, due)
+        finishing.append(sum(o.finished for o in outs))
+        return outs
+
+    monkeypatch.setattr(SimEngine, "cross", counting_cross)
+    monkeypatch.setattr(SimEngine, "cross_to_events", counting_cross_to_events)
+    name, n, rate, setup = CASES[case]
+    workload = builtin_workload(name, n, seed=3, request_rate=rate)
+    if case.startswith("n > 1"):
+        workload.requests = [replace(r, n=1 + i % 3) for i, r in enumerate(workload.requests)]
+    result = run_once(workload, setup, series=False)
+    assert len(crossed) > result["steps"] // 10
+    assert max(crossed) > 1
+    assert sum(finishing) > n // 10
+    if case.startswith("preempting"):
+        assert sum(preempting) > 10
 
 
 def test_lane_is_on_only_where_nothing_needs_every_sequence(tmp_path):
@@ -353,6 +389,20 @@ class TwinMachine(RuleBasedStateMachine):
     def abort(self, which):
         request_id = self.active.pop(which % len(self.active))
         assert all(engine.abort(request_id) for engine in self.engines)
+
+    @precondition(lambda self: self.engines[0].has_unfinished())
+    @rule()
+    def run_the_lane(self):
+        """The steps ``run_lane`` takes past the engine's step are what as many one-by-one steps do."""
+        plain, laned = self.engines
+        tally = RunTally(StepTimeModel(1e-3, 1e-5, 1e-4, 1e-7), laned.config.block_size, {}, False, None, 0)
+        run_lane(laned, tally, None, None)
+        finished = []
+        for _ in range(tally.step):
+            finished += [o.request_id for o in plain.step(stream=False) if o.finished]
+        assert finished == list(tally.finished)
+        for request_id in finished:
+            self.active.remove(request_id)
 
     @rule(budget=st.integers(1, 40))
     def change_token_budget(self, budget):

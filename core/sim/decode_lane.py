@@ -26,20 +26,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from bisect import insort
 from operator import attrgetter
 
 from pagedkv.core.sequence import Sequence
 
 _run_order = attrgetter("run_order")
 
+
 class _Member:
-    __slots__ = ("joined", "computed", "last_step", "serial")
+    __slots__ = ("joined", "computed", "last_step", "serial", "residue")
 
     def __init__(self, joined: int, computed: int, last_step: int, serial: int) -> None:
         self.joined = joined  # lane clock when it joined
         self.computed = computed  # its computed tokens then
         self.last_step = last_step  # the lane step it finishes on
         self.serial = serial  # tells a live calendar entry from one left behind by an earlier membership
+        self.residue: int | None = None  # its crossing steps modulo the block size, once it is in a bucket
 
 
 class DecodeLane:
@@ -53,7 +56,9 @@ class DecodeLane:
         self.outside: dict[Sequence, None] = {}  # running sequences not in the lane (prefilling, or just admitted)
         self.newest = -1  # largest run_order a member has had since the last flush (an upper bound)
         self._offset = 0  # sum over members of (computed at join - clock at join)
-        self._crossings: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members needing a block then
+        # A member crosses into a new block every ``block_size`` steps: bucket r holds, in running order,
+        # the members crossing on the lane steps congruent to r modulo the block size
+        self._buckets: list[list[Sequence]] = [[] for _ in range(block_size)]
         self._finishes: dict[int, list[tuple[Sequence, int]]] = {}  # lane step -> members finishing then
         # lane step -> members whose last block becomes full then (for ``pagedkv_on_block_full`` plugins)
         self._fills: dict[int, list[tuple[Sequence, int]]] | None = {} if report_fills else None
@@ -69,14 +74,20 @@ class DecodeLane:
             entries.append(entry)
 
     def next_event(self) -> int | None:
-        """The next lane step on which a member crosses a block boundary, fills a block or finishes."""
+        """The next lane step on which a member crosses a block boundary, fills a block or finishes
+        (or an earlier one on which nothing happens: a calendar entry left behind by a former member)."""
         heap = self._event_steps
         fills = self._fills or {}
         while heap and (heap[0] <= self.clock or not (
-            heap[0] in self._crossings or heap[0] in self._finishes or heap[0] in fills
+            heap[0] in self._finishes or heap[0] in fills
         )):
             heapq.heappop(heap)
-        return heap[0] if heap else None
+        nxt = heap[0] if heap else None
+        buckets, clock, size = self._buckets, self.clock, self.block_size
+        for ahead in range(1, size + 1 if nxt is None else min(size, nxt - clock - 1) + 1):
+            if buckets[(clock + ahead) % size]:
+                return clock + ahead
+        return nxt
 
     def skip(self, steps: int) -> None:
         """``steps`` steps pass in which no member has an event (the caller checked :meth:`next_event`)."""
@@ -104,7 +115,7 @@ class DecodeLane:
         self._offset += member.computed - member.joined
         self.newest = max(self.newest, seq.run_order)
         self._book(self._finishes, member.last_step, (seq, member.serial))
-        self._plan_crossing(seq, member, member.computed)
+        self._plan_crossing(seq, member)
         if self._fills is not None:
             self._plan_fill(seq, member, member.computed)
 
@@ -114,11 +125,15 @@ class DecodeLane:
         if step <= member.last_step:
             self._book(self._fills, step, (seq, member.serial))
 
-    def _plan_crossing(self, seq: Sequence, member: _Member, computed: int) -> None:
-        """Book the step at which ``seq`` (holding ``computed`` tokens now) next needs a block."""
-        step = self.clock + len(seq.block_table.blocks) * self.block_size - computed + 1
-        if step <= member.last_step:
-            self._book(self._crossings, step, (seq, member.serial))
+    def _plan_crossing(self, seq: Sequence, member: _Member) -> None:
+        """A joining member goes in the bucket of the step it first needs a block on, if it ever does."""
+        step = self.clock + len(seq.block_table.blocks) * self.block_size - member.computed + 1
+        if step > member.last_step:
+            return  # (a static reservation: never)
+        if step - self.clock > self.block_size:  # the lane grows tables as the built-in allocators do
+            raise RuntimeError(f"decode lane: {seq.request_id} holds more than a block of room ahead")
+        member.residue = step % self.block_size
+        insort(self._buckets[member.residue], seq, key=_run_order)
 
     def _live(self, entries: list[tuple[Sequence, int]]) -> list[Sequence]:
         members = self.members
@@ -131,21 +146,13 @@ class DecodeLane:
 
     def due_crossings(self) -> list[Sequence]:
         """Members that need a new block on the coming step, in running order (not yet taken)."""
-        entries = self._crossings.get(self.clock + 1)
-        if not entries:
-            return []
-        due = self._live(entries)
-        due.sort(key=_run_order)
-        return due
+        return list(self._buckets[(self.clock + 1) % self.block_size])
 
-    def take_crossings(self, allocated: list[Sequence]) -> None:
-        """The scheduler gave each of ``allocated`` (the due crossings) its block: book the next ones."""
-        self._crossings.pop(self.clock + 1, None)
+    def events_next(self) -> bool:
+        """On the coming step a member finishes or fills a block (or may: a fill is not checked for liveness)."""
         step = self.clock + 1
-        for seq in allocated:
-            member = self.members[seq]
-            computed_after = member.computed + step - member.joined  # tokens held after the coming step
-            self._plan_crossing(seq, member, computed_after - 1)
+        finishes = self._finishes.get(step)
+        return bool(finishes and self._live(finishes) or self._fills is not None and step in self._fills)
 
     def advance(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """One step passed: every member decoded one token.
@@ -197,7 +204,8 @@ class DecodeLane:
         for seq in list(self.members):
             self._leave(seq)
             self.outside[seq] = None
-        self._crossings.clear()
+        for bucket in self._buckets:
+            bucket.clear()
         self._finishes.clear()
         if self._fills is not None:
             self._fills.clear()
@@ -206,6 +214,8 @@ class DecodeLane:
 
     def _leave(self, seq: Sequence, owe_last: bool = False) -> None:
         member = self.members.pop(seq)
+        if member.residue is not None:
+            self._buckets[member.residue].remove(seq)
         steps = self.clock - member.joined
         self._offset -= member.computed - member.joined
         seq.num_computed_tokens = member.computed + steps

@@ -158,7 +158,6 @@ class DecodeLaneScheduling:
                     raise RuntimeError("blocks counted as available could not be allocated; this is a bug in pagedkv")
         for seq, num_new in zip(outside, grants):
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-        lane.take_crossings(due)
         self.quiet = not due and not outside
         return budget - members - sum(grants)
 
@@ -198,8 +197,45 @@ class DecodeLaneScheduling:
             if seq.status is SequenceStatus.RUNNING:
                 out.scheduled.append(ScheduledSeq(seq, want[seq], seq.num_computed_tokens))
                 used += want[seq]
-        lane.take_crossings([s for s in due if s in lane.members])
         return budget - members - used
+
+    def admission_floor(self) -> int | None:
+        """With every running sequence on the lane and no allocator plugins: the fewest available blocks with
+        which the next step's admission phase admits the head of the queue (FCFS's first check in
+        ``_admit_waiting``: not crowded below the watermark, its blocks fit), or None if it admits nothing
+        however many blocks are free (nothing waits, the batch is full, the lane takes the whole budget)."""
+        budget = self.max_num_batched_tokens - len(self.lane.members)
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        return self.allocator.num_new_blocks(seq, min(seq.num_uncomputed, budget)) + max(self.watermark_blocks, 0)
+
+    def cross(self, due: list[Sequence], events: bool = False) -> LaneOutput | None:
+        """The scheduling of a step in which only the lane moves, members ``due`` (the coming step's
+        crossings, in running order) each taking a new block; the caller checked that, if the blocks
+        fit, nothing is admitted after them. If they do not fit, the newest sequences are preempted as
+        in the real step (no plugin may choose how: ``hooks`` is None); then nothing is admitted either.
+
+        Without ``events`` (the caller checked that no member finishes or fills a block then) the step
+        is taken whole and its output returned only if it preempted. With ``events`` the step's output
+        is returned for :meth:`update_from_output` to finish and report, as after :meth:`schedule`."""
+        self.step_index += 1
+        pool, lane = self.allocator.pool, self.lane
+        out = LaneOutput() if events else None
+        if len(due) <= pool.num_available:
+            for seq, block in zip(due, pool.allocate_many(len(due))):
+                seq.block_table.blocks.append(block)
+            self.quiet = not due  # (members in a bucket cross again a block later: nothing to book)
+        else:
+            out = out or LaneOutput()
+            self._step_lane_preempting(out, self.max_num_batched_tokens, due, [], [])
+            self.quiet = False
+        if events:
+            out.lane_decodes, out.lane_context = len(lane.members), lane.tokens()
+            self.quiet = False
+        else:
+            lane.advance()  # (no member finishes or fills a block: nothing is owed)
+        return out
 
     def update_from_output(self, out: LaneOutput, samples: list[Sample]) -> StepUpdate:
         """FCFS's bookkeeping, with lane members touched only when they fill a block or finish.

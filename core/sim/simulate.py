@@ -3,32 +3,30 @@
 ``SimEngine(config, runner=SimulatedRunner(model_config))`` loads no model; its
 stand-in runner only counts tokens. This module drives it with a workload: requests
 are added when the simulated clock passes their arrival, the clock moves by a
-step-time model after each step (and over a run of quiet steps in one move, see
-:meth:`SimEngine.quiet_steps`), and the run's figures (concurrency, KV usage and waste, preemptions,
+step-time model after each step (the steps that only move the decode lane are taken
+past the engine's step, see :mod:`~pagedkv.core.sim.lane_run`; the figures add up in a
+:class:`~pagedkv.core.sim.tally.RunTally`), and the run's figures (concurrency, KV usage and waste, preemptions,
 swap traffic, prefix hits, TTFT and throughput estimates) come back as a dict,
 for the paged allocator and the static max-length baseline side by side.
 """
 
 from __future__ import annotations
 
-import itertools
+import gc
 import math
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.errors import ConfigError
+from pagedkv.core.sim import lane_run
 from pagedkv.core.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
-from pagedkv.core.sim.quiet_run import quiet_run
 from pagedkv.core.sim.step_time_model import StepTimeModel
+from pagedkv.core.sim.tally import RunTally
 from pagedkv.core.sim.workload import Workload, synth_prompt
 from pagedkv.core.stats import summarize
 
 # --- one simulated run -------------------------------------------------------------------------------------------
-
-PROGRESS_EVERY = 512  # steps between progress reports
-
 
 @dataclass
 class SimSetup:
@@ -90,6 +88,28 @@ def run_once(
     ``after_run(engine)`` when the last request finished, before the figures are read
     (the command line closes a trace with it).
     """
+    # A run keeps ~10 objects per request alive and makes almost no reference cycles: the cyclic
+    # collector's passes over the live ones are pure cost, growing with the run (15% of a 20k-request run).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(workload, setup, step_time, plugins=plugins, series=series, progress=progress,
+                    after_run=after_run)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run(
+    workload: Workload,
+    setup: SimSetup,
+    step_time: StepTimeModel | None = None,
+    *,
+    plugins: tuple[Any, ...] = (),
+    series: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    after_run: Callable[[Any], None] | None = None,
+) -> dict:
     import time
 
     from pagedkv.core.errors import RequestRejected
@@ -97,17 +117,18 @@ def run_once(
     from pagedkv.core.sim.sim_engine import SimEngine
     from pagedkv.core.sim.simulated_runner import SimulatedRunner
 
-    runner = SimulatedRunner(setup.model_config)
-    now = 0.0  # simulated seconds; telemetry stamps them, so a replay's --speed is relative to the simulated run
-    try:
+    runner = SimulatedRunner(setup.model_config, logits=False)  # (SimEngine samples without them)
+    bs = setup.block_size
+    prompt_len: dict[str, int] = {}
+    tally = RunTally(step_time, bs, prompt_len, series, progress, len(workload.requests))
+    try:  # telemetry stamps the simulated clock, so a replay's --speed is relative to the simulated run
         engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane,
-                           clock=lambda: now)
+                           clock=lambda: tally.now)
     except ConfigError as exc:
         raise SimulationError(f"{exc} (setting: {_budget_text(setup)})") from None
     _check_fits(workload, engine, setup)
     if step_time is None:
-        step_time = default_step_time(setup, engine)
-    bs = setup.block_size
+        tally.step_time = step_time = default_step_time(setup, engine)
     reqs = sorted(
         enumerate(workload.requests),
         key=lambda p: (p[1].arrival_step or 0) if workload.clock == "step" else p[1].arrival,
@@ -115,93 +136,42 @@ def run_once(
     by_step = workload.clock == "step"
     vocab = engine.vocab_size
     arrival: dict[str, float] = {}
-    prompt_len: dict[str, int] = {}
-    first_token: dict[str, float] = {}
-    finished: dict[str, float] = {}
-    t_used = array("d")
-    used_series = array("i")
-    running_sum = running_time = usage_sum = waste_sum = 0.0
-    waste_steps = 0
-    peak_running = 0
-    now = 0.0
-    step = 0
+    shared_params: dict[tuple[int, int], SamplingParams] = {}
     i, n = 0, len(reqs)
     started = time.perf_counter()
     num_blocks = engine.num_blocks
-    sched = engine.scheduler
-    pool = engine.pool
     while i < n or engine.has_unfinished():
         if not engine.has_unfinished():  # idle: jump to the next arrival
             if by_step:
-                step = max(step, reqs[i][1].arrival_step or 0)
+                tally.step = max(tally.step, reqs[i][1].arrival_step or 0)
             else:
-                now = max(now, reqs[i][1].arrival)
+                tally.now = max(tally.now, reqs[i][1].arrival)
         while i < n and (
-            (reqs[i][1].arrival_step or 0) <= step if by_step else reqs[i][1].arrival <= now
+            (reqs[i][1].arrival_step or 0) <= tally.step if by_step else reqs[i][1].arrival <= tally.now
         ):
             index, req = reqs[i]
             rid = req.request_id if req.request_id is not None else str(index)
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, n=req.n)
+            params = shared_params.get((req.output_len, req.n))  # (add_request takes its own checked copy)
+            if params is None:
+                params = shared_params[req.output_len, req.n] = SamplingParams(
+                    max_tokens=req.output_len, ignore_eos=True, n=req.n)
             try:
                 engine.add_request(synth_prompt(req, index, vocab), params, request_id=rid)
             except RequestRejected as exc:
                 raise SimulationError(f"{req.source}: {exc}") from None
-            arrival[rid] = now
+            arrival[rid] = tally.now
             prompt_len[rid] = req.prompt_len
             i += 1
         outs = engine.step(stream=False)
-        out = runner.last
-        step += 1
-        prefill, decodes, context = 0, getattr(out, "lane_decodes", 0), getattr(out, "lane_context", 0)
-        for item in out.scheduled:
-            seq = item.seq
-            ctx = item.context_len
-            if item.num_new_tokens == 1 and ctx >= prompt_len[seq.request_id]:
-                decodes += 1
-                context += ctx
+        tally.real_step(engine, runner.last, outs)
+        if setup.jump:  # the steps ahead that only move the decode lane, up to the next arrival
+            if i >= n:
+                lane_run.run_lane(engine, tally, None, None)
+            elif by_step:
+                lane_run.run_lane(engine, tally, None, reqs[i][1].arrival_step or 0)
             else:
-                prefill += item.num_new_tokens
-        dt = step_time.step_seconds(prefill, decodes, context)
-        now += dt
-        for item in out.scheduled:  # (after the step, so ``item.samples`` no longer holds)
-            rid = item.seq.request_id
-            if rid not in first_token and item.context_len + item.num_new_tokens >= prompt_len[rid]:
-                first_token[rid] = now
-        for o in outs:
-            finished[o.request_id] = now
-        running = len(sched.running)
-        peak_running = max(peak_running, running)
-        running_sum += running
-        running_time += running * dt
-        used = pool.num_used
-        usage_sum += used
-        if used:
-            waste_sum += 1.0 - engine.tokens_held() / (used * bs)
-            waste_steps += 1
-        if series:
-            t_used.append(now)
-            used_series.append(used)
-        if progress is not None and not step % PROGRESS_EVERY:
-            progress(len(finished), n)
-        quiet = engine.quiet_steps() if setup.jump else 0
-        if quiet and i < n:  # stop before the step at which the next request arrives
-            quiet = min(quiet, (reqs[i][1].arrival_step or 0) - step) if by_step else quiet
-        if quiet > 0:
-            jump = quiet_run(engine, step_time, quiet, now, None if by_step or i >= n else reqs[i][1].arrival)
-            quiet = len(jump.t)
-        if quiet > 0:
-            engine.skip(quiet)
-            if progress is not None and (step + quiet) // PROGRESS_EVERY > step // PROGRESS_EVERY:
-                progress(len(finished), n)
-            step += quiet
-            now = float(jump.t[-1])
-            running_sum += running * quiet
-            usage_sum += used * quiet
-            running_time, waste_sum = jump.running_time(running_time), jump.waste(waste_sum)
-            waste_steps += quiet if used else 0
-            if series:
-                t_used.frombytes(jump.t.tobytes())
-                used_series.extend(itertools.repeat(used, quiet))
+                lane_run.run_lane(engine, tally, reqs[i][1].arrival, None)
+    finished, first_token, now = tally.finished, tally.first_token, tally.now
     if progress is not None:
         progress(len(finished), n)
     wall = time.perf_counter() - started
@@ -226,14 +196,14 @@ def run_once(
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "steps": stats.steps,
-        "peak_running": peak_running,
-        "mean_running": running_sum / steps,
-        "mean_running_time_weighted": running_time / makespan,
+        "peak_running": tally.peak_running,
+        "mean_running": tally.running_sum / steps,
+        "mean_running_time_weighted": tally.running_time / makespan,
         "peak_kv_blocks_used": stats.peak_blocks_used,
         "peak_kv_usage_pct": 100.0 * stats.peak_blocks_used / num_blocks,
-        "mean_kv_usage_pct": 100.0 * usage_sum / steps / num_blocks,
+        "mean_kv_usage_pct": 100.0 * tally.usage_sum / steps / num_blocks,
         "kv_waste_pct_at_peak": 100.0 * stats.waste_at_peak,
-        "mean_kv_waste_pct": 100.0 * waste_sum / waste_steps if waste_steps else 0.0,
+        "mean_kv_waste_pct": 100.0 * tally.waste_sum / tally.waste_steps if tally.waste_steps else 0.0,
         "preemptions": stats.preemptions,
         "tokens_recomputed": stats.tokens_recomputed,
         "prefill_tokens_computed": stats.prefill_tokens_computed,
@@ -251,7 +221,7 @@ def run_once(
         "step_time_model": step_time.describe(),
     }
     if series:
-        result["series"] = {"t": t_used, "blocks_used": used_series}
+        result["series"] = {"t": tally.t_used, "blocks_used": tally.used_series}
     return result
 
 
