@@ -431,14 +431,25 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   }
 }
 
+#include "decode.h"
+
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
+    DecodeScratch dw;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) run_unit<T, DT>(p, units[i], w);
+    for (int i = 0; i < n; ++i) {
+      if constexpr (DT > 0 && DT % kLanes == 0) {
+        if (units[i].t1 - units[i].t0 == 1) {
+          run_decode_unit<T, DT>(p, units[i], dw);
+          continue;
+        }
+      }
+      run_unit<T, DT>(p, units[i], w);
+    }
   }
 }
 
