@@ -25,12 +25,6 @@ constexpr int kDecodeKeys = 16;   // keys per step: one shuffle tree
 #ifndef AHEAD
 #define AHEAD 32
 #endif
-#ifndef SPLITJ
-#define SPLITJ 2
-#endif
-#ifndef PFSTEP
-#define PFSTEP 1
-#endif
 #ifndef PFLOC
 #define PFLOC 1
 #endif
@@ -116,72 +110,120 @@ inline vfloat exp2_neg_lanes(vfloat x) {
   return p * scale;
 }
 
-// Online-softmax state of one query head: running max (log2 units) and per-lane running sum.
+// Online-softmax state of one query head: running max (log2 units), per-lane running sum, output accumulator.
 struct DecodeHead {
   float max;
   vfloat sum;
 };
 
 struct DecodeScratch {
-  std::vector<float> q, acc, prob;
+  std::vector<float> q, acc;
   std::vector<DecodeHead> head;
-  std::vector<vfloat> quad;        // level-2 partial sums of the step's scores: [4][rows]
-  std::vector<int64_t> off;        // element offsets of the rows of the steps in flight (ring)
+  std::vector<int64_t> off;  // element offsets of the rows of the steps in flight (ring)
 };
 
-// Key j of a step is tree input j, so it comes out in lane kTreeInput[j] (a bit reversal).
-constexpr vint kKeyOfLane = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// Walks the K and V rows of a later step in address order (all the unit's heads of a
+// row, then the next row), a few cache lines per call, so the prefetches spread evenly
+// over the arithmetic in between.
+struct PrefetchCursor {
+  const char* k;
+  const char* v;
+  const int64_t* off;  // element offsets of the rows
+  int elem, rows, lines_per_row, per_call;
+  int row = 0, line = 0;
 
-template <typename T>
-inline void prefetch_span(const T* p, int bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, PFLOC);
-}
+  inline void issue() {
+    for (int c = 0; c < per_call && row < rows; ++c) {
+      const int64_t at = off[row] * elem + static_cast<int64_t>(line) * 64;
+      __builtin_prefetch(k + at, 0, PFLOC);
+      __builtin_prefetch(v + at, 0, PFLOC);
+      if (++line == lines_per_row) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+};
 
-// Scores of 4 keys (rows kr) for GB query heads (q [GB][DT], pre-scaled), summed two
-// levels down the shuffle tree: out[g] holds them in 4 lanes' partial sums each. pk/pv
-// (or nullptr): the rows of the same head to prefetch, one per key.
+// One step of up to 16 keys (n valid; rows past n point at kZeroRow) for GB query heads
+// of one KV head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf (or nullptr)
+// advanced once per key in each of the two phases.
 template <typename T, int DT, int GB>
-inline void quad_scores(const float* q, const T* const* kr, const T* const* pk, const T* const* pv, vfloat* out) {
+inline void decode_step(const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,
+                        float softcap, float* acc, DecodeHead* hs) {
   constexpr int NV = DT / kLanes;
   vfloat qv[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < NV; ++i) qv[g][i] = load(q + g * DT + i * kLanes);
-  vfloat d[4][GB];
-  for (int j = 0; j < 4; ++j) {
-    if (j < SPLITJ && pk != nullptr && pk[j] != nullptr) {
-      prefetch_span(pk[j], DT * sizeof(T));
-      prefetch_span(pv[j], DT * sizeof(T));
-    }
+
+  auto leaf = [&](int input, vfloat* out) {
+    const int j = kTreeInput[input];
+    if (pf != nullptr) pf->issue();
     vfloat kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = load_row<T>(kr[j] + i * kLanes);
     for (int g = 0; g < GB; ++g) {
       vfloat a = qv[g][0] * kv[0];
       for (int i = 1; i < NV; ++i) a += qv[g][i] * kv[i];
-      d[j][g] = a;
+      out[g] = a;
+    }
+  };
+  // The tree over inputs 0..15 in order: a pair -> tree1, two pairs -> tree2, two of those -> tree3.
+  vfloat s[GB], half[GB];
+  for (int h = 0; h < 2; ++h) {
+    vfloat quarter[GB];
+    for (int qq = 0; qq < 2; ++qq) {
+      const int base = h * 8 + qq * 4;
+      vfloat a[GB], b[GB], p1[GB];
+      leaf(base, a);
+      leaf(base + 1, b);
+      for (int g = 0; g < GB; ++g) p1[g] = tree1(a[g], b[g]);
+      leaf(base + 2, a);
+      leaf(base + 3, b);
+      for (int g = 0; g < GB; ++g) {
+        const vfloat p2 = tree2(p1[g], tree1(a[g], b[g]));
+        if (qq == 0)
+          quarter[g] = p2;
+        else if (h == 0)
+          half[g] = tree3(quarter[g], p2);
+        else
+          s[g] = tree4(half[g], tree3(quarter[g], p2));
+      }
     }
   }
-  for (int g = 0; g < GB; ++g) out[g] = tree2(tree1(d[0][g], d[1][g]), tree1(d[2][g], d[3][g]));
-}
 
-// acc[g] += p[g][key] * v[key] for the 4 keys of quad qd (rows vr), GB query heads; prob
-// holds each head's 16 probabilities in tree lane order.
-template <typename T, int DT, int GB>
-inline void quad_pv(const float* prob, int qd, const T* const* vr, const T* const* pk, const T* const* pv, float* acc) {
-  constexpr int NV = DT / kLanes;
+  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vint valid = lane < n;
+  const vfloat ninf = vfloat{} - INFINITY;
+  alignas(64) float prob[GB][kDecodeKeys];
+  float alpha[GB];
+  for (int g = 0; g < GB; ++g) {
+    vfloat sg = s[g];
+    if (softcap > 0.0f) {
+      alignas(64) float t[kDecodeKeys];
+      store(t, sg);
+      for (int j = 0; j < kDecodeKeys; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
+      sg = load(t);
+    }
+    sg = valid ? sg : ninf;
+    const float old_max = hs[g].max;
+    const float new_max = std::max(old_max, max_lanes(sg));
+    alpha[g] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+    vfloat pg = exp2_neg_lanes(sg - new_max);
+    pg = valid ? pg : vfloat{};
+    hs[g].max = new_max;
+    hs[g].sum = hs[g].sum * alpha[g] + pg;
+    store(prob[g], pg);
+  }
+
   vfloat a[GB][NV];
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < NV; ++i) a[g][i] = load(acc + g * DT + i * kLanes);
-  for (int j = 0; j < 4; ++j) {
-    const int lane = kTreeInput[4 * qd + j];
-    if (j >= SPLITJ && pk != nullptr && pk[j] != nullptr) {
-      prefetch_span(pk[j], DT * sizeof(T));
-      prefetch_span(pv[j], DT * sizeof(T));
-    }
+    for (int i = 0; i < NV; ++i) a[g][i] = load(acc + g * DT + i * kLanes) * alpha[g];
+  for (int j = 0; j < kDecodeKeys; ++j) {
+    if (pf != nullptr) pf->issue();
     vfloat vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load_row<T>(vr[j] + i * kLanes);
     for (int g = 0; g < GB; ++g) {
-      const float pj = prob[g * kDecodeKeys + lane];
+      const float pj = prob[g][j];
       for (int i = 0; i < NV; ++i) a[g][i] += pj * vv[i];
     }
   }
@@ -190,68 +232,22 @@ inline void quad_pv(const float* prob, int qd, const T* const* vr, const T* cons
 }
 
 template <typename T, int DT>
-inline void quad_scores_n(int gb, const float* q, const T* const* kr, const T* const* pk, const T* const* pv,
-                          vfloat* out) {
+inline void decode_pass(int gb, const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,
+                        float softcap, float* acc, DecodeHead* hs) {
   switch (gb) {
-    case 1: quad_scores<T, DT, 1>(q, kr, pk, pv, out); break;
-    case 2: quad_scores<T, DT, 2>(q, kr, pk, pv, out); break;
-    case 3: quad_scores<T, DT, 3>(q, kr, pk, pv, out); break;
-    default: quad_scores<T, DT, 4>(q, kr, pk, pv, out); break;
+    case 1: decode_step<T, DT, 1>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    case 2: decode_step<T, DT, 2>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    case 3: decode_step<T, DT, 3>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    default: decode_step<T, DT, 4>(q, kr, vr, n, pf, softcap, acc, hs); break;
   }
-}
-
-template <typename T, int DT>
-inline void quad_pv_n(int gb, const float* prob, int qd, const T* const* vr, const T* const* pk, const T* const* pv,
-                      float* acc) {
-  switch (gb) {
-    case 1: quad_pv<T, DT, 1>(prob, qd, vr, pk, pv, acc); break;
-    case 2: quad_pv<T, DT, 2>(prob, qd, vr, pk, pv, acc); break;
-    case 3: quad_pv<T, DT, 3>(prob, qd, vr, pk, pv, acc); break;
-    default: quad_pv<T, DT, 4>(prob, qd, vr, pk, pv, acc); break;
-  }
-}
-
-// The online softmax of one query head over one step: scores from the four quads'
-// partial sums, keys past n masked; probabilities (tree lane order) into prob, the
-// accumulator rescaled.
-template <int DT>
-inline void step_softmax(const vfloat* quad, int stride, int n, float softcap, DecodeHead& hs, float* prob,
-                         float* acc) {
-  vfloat s = tree4(tree3(quad[0], quad[stride]), tree3(quad[2 * stride], quad[3 * stride]));
-  if (softcap > 0.0f) {
-    alignas(64) float t[kDecodeKeys];
-    store(t, s);
-    for (int j = 0; j < kDecodeKeys; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
-    s = load(t);
-  }
-  const vint valid = kKeyOfLane < n;
-  s = valid ? s : vfloat{} - INFINITY;
-  const float old_max = hs.max;
-  const float new_max = std::max(old_max, max_lanes(s));
-  vfloat pr = exp2_neg_lanes(s - new_max);
-  pr = valid ? pr : vfloat{};
-  store(prob, pr);
-  hs.max = new_max;
-  if (old_max == new_max) {
-    hs.sum += pr;
-    return;
-  }
-  const float alpha = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
-  hs.sum = hs.sum * alpha + pr;
-  for (int i = 0; i < DT / kLanes; ++i) store(acc + i * kLanes, load(acc + i * kLanes) * alpha);
 }
 
 // One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
-// Keys go in steps of 16; within a step, in quads of 4 rows, each quad's rows read for
-// all the unit's heads before the next: memory is read nearly in address order, which
-// keeps the hardware prefetchers working beside the software prefetches (measured: a
-// head at a time through the whole step reads ~25% slower).
 template <typename T, int DT>
 void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "decode kernel: head dims that are whole vectors");
-  constexpr int NV = DT / kLanes;
   // Query heads per pass: their queries and accumulators stay in registers.
-  constexpr int kMaxPass = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
+  constexpr int kMaxPass = DT <= 64 ? 4 : (DT <= 128 ? 2 : 1);
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = u.h1 - u.h0;
   const int bs = p.block_size;
@@ -266,16 +262,15 @@ void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
   const int rows = nh * G;  // query heads of the unit, KV head major
   w.q.resize(static_cast<size_t>(rows) * DT);
   w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
-  w.prob.resize(static_cast<size_t>(rows) * kDecodeKeys);
   w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
-  w.quad.resize(static_cast<size_t>(4) * rows);
   const T* qbase = static_cast<const T*>(p.q) + (qs + u.t0) * p.q_tok_stride;
   for (int r = 0; r < rows; ++r) {
     const T* src = qbase + (u.h0 * G + r) * p.q_head_stride;
     for (int x = 0; x < DT; ++x) w.q[static_cast<size_t>(r) * DT + x] = to_float<T>(src[x]) * qscale;
   }
 
-  const int passes = (G + kMaxPass - 1) / kMaxPass;  // as even as possible: G = 7 -> 4 + 3
+  // Passes of at most kDecodeMaxPass query heads, as even as possible (G = 8: 4 + 4, G = 7: 4 + 3).
+  const int passes = (G + kMaxPass - 1) / kMaxPass;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * DT;
   const int64_t block_stride = row_stride * bs;
   const T* kc = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * DT;
@@ -287,55 +282,31 @@ void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
   for (int c0 = k_lo; c0 < std::min(k_hi, k_lo + kDecodeAhead); c0 += kDecodeKeys)
     row_offsets(table, c0, std::min(kDecodeKeys, k_hi - c0), bs, block_stride, row_stride, offsets(c0));
 
-  const T* kr[4];
-  const T* vr[4];
-  const T* pk[4];
-  const T* pv[4];
+  const T* kr[kDecodeKeys];
+  const T* vr[kDecodeKeys];
+  const int lines_per_row = static_cast<int>((static_cast<int64_t>(nh) * DT * sizeof(T) + 63) / 64);
   for (int c0 = k_lo; c0 < k_hi; c0 += kDecodeKeys) {
     const int n = std::min(kDecodeKeys, k_hi - c0);
     const int64_t* off = offsets(c0);
     const int a0 = c0 + kDecodeAhead;  // the step whose rows this one prefetches
     const int n_ahead = a0 < k_hi ? std::min(kDecodeKeys, k_hi - a0) : 0;
     if (n_ahead > 0) row_offsets(table, a0, n_ahead, bs, block_stride, row_stride, offsets(a0));
-    const int64_t* off_ahead = offsets(a0);
-
-    for (int qd = 0; qd < 4; ++qd) {
-      for (int hh = 0; hh < nh; ++hh) {
-        const int64_t head = static_cast<int64_t>(hh) * DT;
-        for (int j = 0; j < 4; ++j) {
-          const int key = 4 * qd + j;
-          kr[j] = key < n ? kc + off[key] + head : zero;
-          pk[j] = key < n_ahead ? kc + off_ahead[key] + head : nullptr;
-          pv[j] = key < n_ahead ? vc + off_ahead[key] + head : nullptr;
-        }
-        for (int pass = 0, g0 = 0; pass < passes; ++pass) {
-          const int gb = G / passes + (pass < G % passes ? 1 : 0);
-          const int r = hh * G + g0;
-          quad_scores_n<T, DT>(gb, w.q.data() + static_cast<int64_t>(r) * DT, kr, pass == 0 ? pk : nullptr, pv,
-                               w.quad.data() + qd * rows + r);
-          g0 += gb;
-        }
+    const int calls = 2 * nh * kDecodeKeys;  // the first pass of each head calls it twice per key
+    PrefetchCursor pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), offsets(a0),
+                      static_cast<int>(sizeof(T)), n_ahead, lines_per_row,
+                      (n_ahead * lines_per_row + calls - 1) / calls};
+    for (int hh = 0; hh < nh; ++hh) {
+      const int64_t head = static_cast<int64_t>(hh) * DT;
+      for (int j = 0; j < kDecodeKeys; ++j) {
+        kr[j] = j < n ? kc + off[j] + head : zero;
+        vr[j] = j < n ? vc + off[j] + head : zero;
       }
-    }
-    for (int r = 0; r < rows; ++r)
-      step_softmax<DT>(w.quad.data() + r, rows, n, p.softcap, w.head[r], w.prob.data() + r * kDecodeKeys,
-                       w.acc.data() + static_cast<int64_t>(r) * DT);
-    for (int qd = 0; qd < 4; ++qd) {
-      for (int hh = 0; hh < nh; ++hh) {
-        const int64_t head = static_cast<int64_t>(hh) * DT;
-        for (int j = 0; j < 4; ++j) {
-          const int key = 4 * qd + j;
-          vr[j] = key < n ? vc + off[key] + head : zero;
-          pk[j] = key < n_ahead ? kc + off_ahead[key] + head : nullptr;
-          pv[j] = key < n_ahead ? vc + off_ahead[key] + head : nullptr;
-        }
-        for (int pass = 0, g0 = 0; pass < passes; ++pass) {
-          const int gb = G / passes + (pass < G % passes ? 1 : 0);
-          const int r = hh * G + g0;
-          quad_pv_n<T, DT>(gb, w.prob.data() + r * kDecodeKeys, qd, vr, pass == 0 ? pk : nullptr, pv,
-                           w.acc.data() + static_cast<int64_t>(r) * DT);
-          g0 += gb;
-        }
+      for (int pass = 0, g0 = 0; pass < passes; ++pass) {
+        const int gb = G / passes + (pass < G % passes ? 1 : 0);
+        const int r = hh * G + g0;
+        decode_pass<T, DT>(gb, w.q.data() + static_cast<int64_t>(r) * DT, kr, vr, n, pass == 0 ? &pf : nullptr,
+                           p.softcap, w.acc.data() + static_cast<int64_t>(r) * DT, w.head.data() + r);
+        g0 += gb;
       }
     }
   }
