@@ -4,8 +4,15 @@
 // exp2_neg, row_offsets, kLog2e, bf16 conversions).
 //
 // Why it is separate from run_unit: with one query token a unit has only the G query
-// heads of each KV head (3 for SmolLM2), so the kernel is bound by the work per K/V
-// row and by how well the memory traffic overlaps it, not by reuse across query rows:
+// heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
+// flight while it computes, and then the work per K/V row, not reuse across query rows:
+// - K/V rows are prefetched kDecodeAhead keys ahead into L2, by a cursor that walks the
+//   rows of that step in address order and is advanced a line or two per key computed,
+//   in both phases (scores and P.V). Measured at batch 64, context 2048 (one thread):
+//   the old whole-chunk burst stalls the core until its misses return (61% of its
+//   run_unit samples sat on prefetch instructions); prefetching only in the scores
+//   phase left the memory idle during P.V (~1.2x slower than spreading it over both);
+//   prefetching into L1 evicts the rows in use (~1.7x slower).
 // - keys go 16 at a time; each K row is loaded once for all the group's query heads,
 //   and the 16 keys' dot products are summed by one shuffle tree per head, built
 //   as the keys come (a few vectors live, not 16 per head);
@@ -14,21 +21,18 @@
 //   reduced once at the end;
 // - P.V loads each V row once for all the group's query heads (accumulators in
 //   registers, probabilities broadcast from a 16-float buffer);
-// - each K/V row of the unit's heads is prefetched kDecodeAhead keys ahead, one row
-//   per row computed, so the loads overlap the arithmetic (a burst of a whole chunk's
-//   prefetches stalls the core until its misses return);
 // - bf16 rows are widened in registers, never copied.
-// Query heads of a group go in passes of at most 4 (their accumulators and queries
-// fill the vector registers); the passes share the 16 rows while they are in L1.
+// Query heads of a group go in passes of at most 4 (2 at head dim 128, 1 at 256) so
+// their queries and accumulators stay in registers; the passes share the step's rows
+// while they are in L1. Within a step one KV head at a time: reading each quad of rows
+// for all heads first (nearer address order) computed ~15% slower and read no faster.
 
 constexpr int kDecodeKeys = 16;   // keys per step: one shuffle tree
-#ifndef AHEAD
-#define AHEAD 32
-#endif
-#ifndef PFLOC
-#define PFLOC 1
-#endif
-constexpr int kDecodeAhead = AHEAD;  // prefetch distance in keys (a multiple of kDecodeKeys)
+// Prefetch distance in keys, a multiple of kDecodeKeys (measured: 16..48 within noise, 64+ slower).
+constexpr int kDecodeAhead = 32;
+// __builtin_prefetch locality 1 = prefetcht2: into L2, not L1. Measured at batch 64, context 2048:
+// into L1 (t0) or non-temporal is ~1.7x slower, the whole step's data evicts the rows in use.
+constexpr int kPrefetchLocality = 1;
 
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -110,7 +114,7 @@ inline vfloat exp2_neg_lanes(vfloat x) {
   return p * scale;
 }
 
-// Online-softmax state of one query head: running max (log2 units), per-lane running sum, output accumulator.
+// Online-softmax state of one query head: running max (log2 units), per-lane running sum.
 struct DecodeHead {
   float max;
   vfloat sum;
@@ -135,8 +139,8 @@ struct PrefetchCursor {
   inline void issue() {
     for (int c = 0; c < per_call && row < rows; ++c) {
       const int64_t at = off[row] * elem + static_cast<int64_t>(line) * 64;
-      __builtin_prefetch(k + at, 0, PFLOC);
-      __builtin_prefetch(v + at, 0, PFLOC);
+      __builtin_prefetch(k + at, 0, kPrefetchLocality);
+      __builtin_prefetch(v + at, 0, kPrefetchLocality);
       if (++line == lines_per_row) {
         line = 0;
         ++row;
@@ -231,23 +235,28 @@ inline void decode_step(const float* q, const T* const* kr, const T* const* vr, 
     for (int i = 0; i < NV; ++i) store(acc + g * DT + i * kLanes, a[g][i]);
 }
 
+// Query heads per pass, so that their queries and accumulators stay in registers.
+constexpr int decode_max_pass(int dt) { return dt <= 64 ? 4 : (dt <= 128 ? 2 : 1); }
+
 template <typename T, int DT>
 inline void decode_pass(int gb, const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,
                         float softcap, float* acc, DecodeHead* hs) {
-  switch (gb) {
-    case 1: decode_step<T, DT, 1>(q, kr, vr, n, pf, softcap, acc, hs); break;
-    case 2: decode_step<T, DT, 2>(q, kr, vr, n, pf, softcap, acc, hs); break;
-    case 3: decode_step<T, DT, 3>(q, kr, vr, n, pf, softcap, acc, hs); break;
-    default: decode_step<T, DT, 4>(q, kr, vr, n, pf, softcap, acc, hs); break;
-  }
+  constexpr int kMax = decode_max_pass(DT);  // only the pass sizes this head dim uses are compiled
+  if (kMax >= 4 && gb == 4)
+    decode_step<T, DT, (kMax >= 4 ? 4 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else if (kMax >= 3 && gb == 3)
+    decode_step<T, DT, (kMax >= 3 ? 3 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else if (kMax >= 2 && gb == 2)
+    decode_step<T, DT, (kMax >= 2 ? 2 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else
+    decode_step<T, DT, 1>(q, kr, vr, n, pf, softcap, acc, hs);
 }
 
 // One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
 template <typename T, int DT>
 void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "decode kernel: head dims that are whole vectors");
-  // Query heads per pass: their queries and accumulators stay in registers.
-  constexpr int kMaxPass = DT <= 64 ? 4 : (DT <= 128 ? 2 : 1);
+  constexpr int kMaxPass = decode_max_pass(DT);
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = u.h1 - u.h0;
   const int bs = p.block_size;
@@ -269,7 +278,7 @@ void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
     for (int x = 0; x < DT; ++x) w.q[static_cast<size_t>(r) * DT + x] = to_float<T>(src[x]) * qscale;
   }
 
-  // Passes of at most kDecodeMaxPass query heads, as even as possible (G = 8: 4 + 4, G = 7: 4 + 3).
+  // Passes of at most kMaxPass query heads, as even as possible (G = 8: 4 + 4, G = 7: 4 + 3).
   const int passes = (G + kMaxPass - 1) / kMaxPass;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * DT;
   const int64_t block_stride = row_stride * bs;
