@@ -444,7 +444,8 @@ void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
     for (int i = 0; i < n; ++i) {
       if constexpr (DT > 0 && DT % kLanes == 0) {
         if (units[i].t1 - units[i].t0 == 1) {
-          run_decode_unit<T, DT>(p, units[i], dw);
+          const bool next = i + 1 < n && units[i + 1].t1 - units[i + 1].t0 == 1;
+          run_decode_unit<T, DT>(p, units[i], next ? &units[i + 1] : nullptr, dw);
           continue;
         }
       }

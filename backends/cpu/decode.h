@@ -252,21 +252,41 @@ inline void decode_pass(int gb, const float* q, const T* const* kr, const T* con
     decode_step<T, DT, 1>(q, kr, vr, n, pf, softcap, acc, hs);
 }
 
-// One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
+// Where a decode unit's keys are: [k_lo, k_hi), K/V of its first head, lines per row of its heads.
 template <typename T, int DT>
-void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
+struct DecodeRows {
+  int k_lo, k_hi, lines_per_row;
+  const int32_t* table;
+  const T* k;
+  const T* v;
+
+  DecodeRows(const Params& p, const Unit& u) {
+    const int pos = p.context_lens[u.seq] + u.t0;
+    k_lo = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
+    k_hi = pos + 1;
+    lines_per_row = static_cast<int>((static_cast<int64_t>(u.h1 - u.h0) * DT * sizeof(T) + 63) / 64);
+    table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
+    k = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * DT;
+    v = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(u.h0) * DT;
+  }
+};
+
+// One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
+// next (or nullptr): the decode unit this thread likely runs next, whose first steps are
+// prefetched during this unit's last ones (else every unit would start with cold misses).
+template <typename T, int DT>
+void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScratch& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "decode kernel: head dims that are whole vectors");
   constexpr int kMaxPass = decode_max_pass(DT);
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = u.h1 - u.h0;
   const int bs = p.block_size;
-  const int pos = p.context_lens[u.seq] + u.t0;
   const int qs = p.query_start_loc[u.seq];
-  const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
   const bool capped = p.softcap > 0.0f;
   const float qscale = capped ? p.scale : p.scale * kLog2e;
-  const int k_lo = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
-  const int k_hi = pos + 1;
+  const DecodeRows<T, DT> here(p, u);
+  const int k_lo = here.k_lo, k_hi = here.k_hi;
+  const int32_t* table = here.table;
 
   const int rows = nh * G;  // query heads of the unit, KV head major
   w.q.resize(static_cast<size_t>(rows) * DT);
@@ -282,8 +302,8 @@ void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
   const int passes = (G + kMaxPass - 1) / kMaxPass;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * DT;
   const int64_t block_stride = row_stride * bs;
-  const T* kc = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * DT;
-  const T* vc = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(u.h0) * DT;
+  const T* kc = here.k;
+  const T* vc = here.v;
   const T* zero = reinterpret_cast<const T*>(kZeroRow);
   constexpr int kRing = kDecodeAhead / kDecodeKeys + 1;
   w.off.resize(static_cast<size_t>(kRing) * kDecodeKeys);
@@ -293,15 +313,30 @@ void run_decode_unit(const Params& p, const Unit& u, DecodeScratch& w) {
 
   const T* kr[kDecodeKeys];
   const T* vr[kDecodeKeys];
-  const int lines_per_row = static_cast<int>((static_cast<int64_t>(nh) * DT * sizeof(T) + 63) / 64);
-  for (int c0 = k_lo; c0 < k_hi; c0 += kDecodeKeys) {
+  const int steps = (k_hi - k_lo + kDecodeKeys - 1) / kDecodeKeys;
+  const DecodeRows<T, DT> there = next != nullptr ? DecodeRows<T, DT>(p, *next) : here;
+  int64_t next_off[kDecodeKeys];
+  for (int c0 = k_lo, step = 0; c0 < k_hi; c0 += kDecodeKeys, ++step) {
     const int n = std::min(kDecodeKeys, k_hi - c0);
     const int64_t* off = offsets(c0);
-    const int a0 = c0 + kDecodeAhead;  // the step whose rows this one prefetches
-    const int n_ahead = a0 < k_hi ? std::min(kDecodeKeys, k_hi - a0) : 0;
-    if (n_ahead > 0) row_offsets(table, a0, n_ahead, bs, block_stride, row_stride, offsets(a0));
+    // The step whose rows this one prefetches: this unit's, kDecodeAhead keys on, or past its
+    // end the next unit's first ones.
+    const int a0 = c0 + kDecodeAhead;
+    const DecodeRows<T, DT>* ahead = &here;
+    const int64_t* ahead_off = offsets(a0);
+    int n_ahead = a0 < k_hi ? std::min(kDecodeKeys, k_hi - a0) : 0;
+    if (n_ahead > 0) {
+      row_offsets(table, a0, n_ahead, bs, block_stride, row_stride, offsets(a0));
+    } else if (next != nullptr) {
+      const int b0 = there.k_lo + (step + kDecodeAhead / kDecodeKeys - steps) * kDecodeKeys;
+      n_ahead = b0 < there.k_hi ? std::min(kDecodeKeys, there.k_hi - b0) : 0;
+      row_offsets(there.table, b0, n_ahead, bs, block_stride, row_stride, next_off);
+      ahead = &there;
+      ahead_off = next_off;
+    }
     const int calls = 2 * nh * kDecodeKeys;  // the first pass of each head calls it twice per key
-    PrefetchCursor pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), offsets(a0),
+    const int lines_per_row = ahead->lines_per_row;
+    PrefetchCursor pf{reinterpret_cast<const char*>(ahead->k), reinterpret_cast<const char*>(ahead->v), ahead_off,
                       static_cast<int>(sizeof(T)), n_ahead, lines_per_row,
                       (n_ahead * lines_per_row + calls - 1) / calls};
     for (int hh = 0; hh < nh; ++hh) {
