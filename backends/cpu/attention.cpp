@@ -444,7 +444,9 @@ void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
     for (int i = 0; i < n; ++i) {
       if constexpr (DT > 0 && DT % kLanes == 0) {
         if (units[i].t1 - units[i].t0 == 1) {
-          const bool next = i + 1 < n && units[i + 1].t1 - units[i + 1].t0 == 1;
+          // With one thread the next unit is i + 1; with more, dynamic scheduling makes it a guess
+          // whose misses would cost bandwidth, so no hint.
+          const bool next = threads == 1 && i + 1 < n && units[i + 1].t1 - units[i + 1].t0 == 1;
           run_decode_unit<T, DT>(p, units[i], next ? &units[i + 1] : nullptr, dw);
           continue;
         }

@@ -272,8 +272,8 @@ struct DecodeRows {
 };
 
 // One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
-// next (or nullptr): the decode unit this thread likely runs next, whose first steps are
-// prefetched during this unit's last ones (else every unit would start with cold misses).
+// next (or nullptr): the decode unit this thread runs next, whose first steps are prefetched
+// during this unit's last ones (else every unit would start with cold misses).
 template <typename T, int DT>
 void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScratch& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "decode kernel: head dims that are whole vectors");
