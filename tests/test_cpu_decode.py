@@ -4,8 +4,9 @@
 of 16-float vectors (32, 64, 128, 256) to `decode.h`: 16 keys per step, rows prefetched a few steps
 ahead, query heads in passes of up to 4 (2 at head dim 128, 1 at 256). These cases cross its step
 and prefetch-ring edges, split groups into several passes, and take both unit shapes: all KV heads
-per unit (many sequences) and one KV head per unit (too few sequences to go round the threads).
-Other head dims take the general kernel; one case checks that they still do.
+per unit (many sequences) and one KV head per unit (too few sequences to go round the threads),
+with one thread (where a unit also prefetches the next unit's first rows) and two. Other head dims
+take the general kernel; one case checks that they still do.
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def test_single_token_tail_of_a_prefill_tile(backend):  # noqa: F811
 def test_decode_large_logits_do_not_overflow(backend):  # noqa: F811
     # the running max is taken per 16 keys: a later, much larger score must rescale what came before
     check(backend, [200, 70], [1, 1], 16, heads=4, kv_heads=2, query=lambda q: q * 40, seed=13)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_one_and_two_threads(backend, threads):  # noqa: F811
+    # with one thread a unit prefetches the next unit's first rows: neighbours of all shapes
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(backend, STEP_EDGES, [1] * len(STEP_EDGES), 16, heads=9, kv_heads=3, seed=threads)
+        check(backend, [300, 20, 40], [1, 17, 1], 16, heads=4, kv_heads=2, window=24, seed=threads + 2)
+    finally:
+        torch.set_num_threads(old)
