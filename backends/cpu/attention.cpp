@@ -431,14 +431,28 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   }
 }
 
+#include "decode.h"
+
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
+    DecodeScratch dw;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) run_unit<T, DT>(p, units[i], w);
+    for (int i = 0; i < n; ++i) {
+      if constexpr (DT > 0 && DT % kLanes == 0) {
+        if (units[i].t1 - units[i].t0 == 1) {
+          // With one thread the next unit is i + 1; with more, dynamic scheduling makes it a guess
+          // whose misses would cost bandwidth, so no hint.
+          const bool next = threads == 1 && i + 1 < n && units[i + 1].t1 - units[i + 1].t0 == 1;
+          run_decode_unit<T, DT>(p, units[i], next ? &units[i + 1] : nullptr, dw);
+          continue;
+        }
+      }
+      run_unit<T, DT>(p, units[i], w);
+    }
   }
 }
 

@@ -1,0 +1,370 @@
+// The decode kernel: work units with one query token (every decode step, and the
+// last token of a prefill tile). Included by attention.cpp inside its anonymous
+// namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
+// exp2_neg, row_offsets, kLog2e, bf16 conversions).
+//
+// Why it is separate from run_unit: with one query token a unit has only the G query
+// heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
+// flight while it computes, and then the work per K/V row, not reuse across query rows:
+// - K/V rows are prefetched kDecodeAhead keys ahead into L2, by a cursor that walks the
+//   rows of that step in address order and is advanced a line or two per key computed,
+//   in both phases (scores and P.V). Measured at batch 64, context 2048 (one thread):
+//   the old whole-chunk burst stalls the core until its misses return (61% of its
+//   run_unit samples sat on prefetch instructions); prefetching only in the scores
+//   phase left the memory idle during P.V (~1.2x slower than spreading it over both);
+//   prefetching into L1 evicts the rows in use (~1.7x slower).
+// - keys go 16 at a time; each K row is loaded once for all the group's query heads,
+//   and the 16 keys' dot products are summed by one shuffle tree per head, built
+//   as the keys come (a few vectors live, not 16 per head);
+// - the 16 scores stay in a vector: max, exp2 and the running sum are vector ops,
+//   one rescale of the accumulators per 16 keys; the sum is kept per lane and
+//   reduced once at the end;
+// - P.V loads each V row once for all the group's query heads (accumulators in
+//   registers, probabilities broadcast from a 16-float buffer);
+// - bf16 rows are widened in registers, never copied.
+// Query heads of a group go in passes of at most 4 (2 at head dim 128, 1 at 256) so
+// their queries and accumulators stay in registers; the passes share the step's rows
+// while they are in L1. Within a step one KV head at a time: reading each quad of rows
+// for all heads first (nearer address order) computed ~15% slower and read no faster.
+
+constexpr int kDecodeKeys = 16;   // keys per step: one shuffle tree
+// Prefetch distance in keys, a multiple of kDecodeKeys (measured: 16..48 within noise, 64+ slower).
+constexpr int kDecodeAhead = 32;
+// __builtin_prefetch locality 1 = prefetcht2: into L2, not L1. Measured at batch 64, context 2048:
+// into L1 (t0) or non-temporal is ~1.7x slower, the whole step's data evicts the rows in use.
+constexpr int kPrefetchLocality = 1;
+
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// Stand-in for the keys past the end of a partial step: zeros, never the cache's unused slots.
+alignas(64) const float kZeroRow[256] = {};
+
+template <typename T>
+inline vfloat load_row(const T* p);
+template <>
+inline vfloat load_row<float>(const float* p) {
+  return load(p);
+}
+template <>
+inline vfloat load_row<uint16_t>(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint wide = __builtin_convertvector(h, vuint) << 16;
+  vfloat f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// The shuffle tree of sum_lanes_of_16, one level at a time: level L adds pairs of
+// partial sums 16 >> L lanes apart and interleaves two inputs' results.
+inline vfloat tree1(vfloat a, vfloat b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline vfloat tree2(vfloat a, vfloat b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline vfloat tree3(vfloat a, vfloat b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline vfloat tree4(vfloat a, vfloat b) {
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+// Tree input i comes out in lane kTreeInput[i] (a bit reversal, its own inverse).
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float max_lanes(vfloat v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline float add_lanes(vfloat v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// exp2_neg on 16 lanes (same polynomial); rounds by the 1.5 * 2^23 trick, exact for |x| < 2^22.
+inline vfloat exp2_neg_lanes(vfloat x) {
+  const vfloat lo = vfloat{} - 126.0f;
+  x = x < lo ? lo : x;
+  const vfloat n = (x + 12582912.0f) - 12582912.0f;
+  const vfloat r = (x - n) * kLn2;
+  vfloat p = vfloat{} + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Online-softmax state of one query head: running max (log2 units), per-lane running sum.
+struct DecodeHead {
+  float max;
+  vfloat sum;
+};
+
+struct DecodeScratch {
+  std::vector<float> q, acc;
+  std::vector<DecodeHead> head;
+  std::vector<int64_t> off;  // element offsets of the rows of the steps in flight (ring)
+};
+
+// Walks the K and V rows of a later step in address order (all the unit's heads of a
+// row, then the next row), a few cache lines per call, so the prefetches spread evenly
+// over the arithmetic in between.
+struct PrefetchCursor {
+  const char* k;
+  const char* v;
+  const int64_t* off;  // element offsets of the rows
+  int elem, rows, lines_per_row, per_call;
+  int row = 0, line = 0;
+
+  inline void issue() {
+    for (int c = 0; c < per_call && row < rows; ++c) {
+      const int64_t at = off[row] * elem + static_cast<int64_t>(line) * 64;
+      __builtin_prefetch(k + at, 0, kPrefetchLocality);
+      __builtin_prefetch(v + at, 0, kPrefetchLocality);
+      if (++line == lines_per_row) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// One step of up to 16 keys (n valid; rows past n point at kZeroRow) for GB query heads
+// of one KV head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf (or nullptr)
+// advanced once per key in each of the two phases.
+template <typename T, int DT, int GB>
+inline void decode_step(const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,
+                        float softcap, float* acc, DecodeHead* hs) {
+  constexpr int NV = DT / kLanes;
+  vfloat qv[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) qv[g][i] = load(q + g * DT + i * kLanes);
+
+  auto leaf = [&](int input, vfloat* out) {
+    const int j = kTreeInput[input];
+    if (pf != nullptr) pf->issue();
+    vfloat kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load_row<T>(kr[j] + i * kLanes);
+    for (int g = 0; g < GB; ++g) {
+      vfloat a = qv[g][0] * kv[0];
+      for (int i = 1; i < NV; ++i) a += qv[g][i] * kv[i];
+      out[g] = a;
+    }
+  };
+  // The tree over inputs 0..15 in order: a pair -> tree1, two pairs -> tree2, two of those -> tree3.
+  vfloat s[GB], half[GB];
+  for (int h = 0; h < 2; ++h) {
+    vfloat quarter[GB];
+    for (int qq = 0; qq < 2; ++qq) {
+      const int base = h * 8 + qq * 4;
+      vfloat a[GB], b[GB], p1[GB];
+      leaf(base, a);
+      leaf(base + 1, b);
+      for (int g = 0; g < GB; ++g) p1[g] = tree1(a[g], b[g]);
+      leaf(base + 2, a);
+      leaf(base + 3, b);
+      for (int g = 0; g < GB; ++g) {
+        const vfloat p2 = tree2(p1[g], tree1(a[g], b[g]));
+        if (qq == 0)
+          quarter[g] = p2;
+        else if (h == 0)
+          half[g] = tree3(quarter[g], p2);
+        else
+          s[g] = tree4(half[g], tree3(quarter[g], p2));
+      }
+    }
+  }
+
+  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vint valid = lane < n;
+  const vfloat ninf = vfloat{} - INFINITY;
+  alignas(64) float prob[GB][kDecodeKeys];
+  float alpha[GB];
+  for (int g = 0; g < GB; ++g) {
+    vfloat sg = s[g];
+    if (softcap > 0.0f) {
+      alignas(64) float t[kDecodeKeys];
+      store(t, sg);
+      for (int j = 0; j < kDecodeKeys; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
+      sg = load(t);
+    }
+    sg = valid ? sg : ninf;
+    const float old_max = hs[g].max;
+    const float new_max = std::max(old_max, max_lanes(sg));
+    alpha[g] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+    vfloat pg = exp2_neg_lanes(sg - new_max);
+    pg = valid ? pg : vfloat{};
+    hs[g].max = new_max;
+    hs[g].sum = hs[g].sum * alpha[g] + pg;
+    store(prob[g], pg);
+  }
+
+  vfloat a[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = load(acc + g * DT + i * kLanes) * alpha[g];
+  for (int j = 0; j < kDecodeKeys; ++j) {
+    if (pf != nullptr) pf->issue();
+    vfloat vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load_row<T>(vr[j] + i * kLanes);
+    for (int g = 0; g < GB; ++g) {
+      const float pj = prob[g][j];
+      for (int i = 0; i < NV; ++i) a[g][i] += pj * vv[i];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) store(acc + g * DT + i * kLanes, a[g][i]);
+}
+
+// Query heads per pass, so that their queries and accumulators stay in registers.
+constexpr int decode_max_pass(int dt) { return dt <= 64 ? 4 : (dt <= 128 ? 2 : 1); }
+
+template <typename T, int DT>
+inline void decode_pass(int gb, const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,
+                        float softcap, float* acc, DecodeHead* hs) {
+  constexpr int kMax = decode_max_pass(DT);  // only the pass sizes this head dim uses are compiled
+  if (kMax >= 4 && gb == 4)
+    decode_step<T, DT, (kMax >= 4 ? 4 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else if (kMax >= 3 && gb == 3)
+    decode_step<T, DT, (kMax >= 3 ? 3 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else if (kMax >= 2 && gb == 2)
+    decode_step<T, DT, (kMax >= 2 ? 2 : 1)>(q, kr, vr, n, pf, softcap, acc, hs);
+  else
+    decode_step<T, DT, 1>(q, kr, vr, n, pf, softcap, acc, hs);
+}
+
+// Where a decode unit's keys are: [k_lo, k_hi), K/V of its first head, lines per row of its heads.
+template <typename T, int DT>
+struct DecodeRows {
+  int k_lo, k_hi, lines_per_row;
+  const int32_t* table;
+  const T* k;
+  const T* v;
+
+  DecodeRows(const Params& p, const Unit& u) {
+    const int pos = p.context_lens[u.seq] + u.t0;
+    k_lo = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
+    k_hi = pos + 1;
+    lines_per_row = static_cast<int>((static_cast<int64_t>(u.h1 - u.h0) * DT * sizeof(T) + 63) / 64);
+    table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
+    k = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(u.h0) * DT;
+    v = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(u.h0) * DT;
+  }
+};
+
+// One query token (position context_len + t0) against keys [k_lo, pos] of KV heads [h0, h1).
+// next (or nullptr): the decode unit this thread runs next, whose first steps are prefetched
+// during this unit's last ones (else every unit would start with cold misses).
+template <typename T, int DT>
+void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScratch& w) {
+  static_assert(DT % kLanes == 0 && DT <= 256, "decode kernel: head dims that are whole vectors");
+  constexpr int kMaxPass = decode_max_pass(DT);
+  const int G = p.num_heads / p.num_kv_heads;
+  const int nh = u.h1 - u.h0;
+  const int bs = p.block_size;
+  const int qs = p.query_start_loc[u.seq];
+  const bool capped = p.softcap > 0.0f;
+  const float qscale = capped ? p.scale : p.scale * kLog2e;
+  const DecodeRows<T, DT> here(p, u);
+  const int k_lo = here.k_lo, k_hi = here.k_hi;
+  const int32_t* table = here.table;
+
+  const int rows = nh * G;  // query heads of the unit, KV head major
+  w.q.resize(static_cast<size_t>(rows) * DT);
+  w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
+  w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
+  const T* qbase = static_cast<const T*>(p.q) + (qs + u.t0) * p.q_tok_stride;
+  for (int r = 0; r < rows; ++r) {
+    const T* src = qbase + (u.h0 * G + r) * p.q_head_stride;
+    for (int x = 0; x < DT; ++x) w.q[static_cast<size_t>(r) * DT + x] = to_float<T>(src[x]) * qscale;
+  }
+
+  // Passes of at most kMaxPass query heads, as even as possible (G = 8: 4 + 4, G = 7: 4 + 3).
+  const int passes = (G + kMaxPass - 1) / kMaxPass;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * DT;
+  const int64_t block_stride = row_stride * bs;
+  const T* kc = here.k;
+  const T* vc = here.v;
+  const T* zero = reinterpret_cast<const T*>(kZeroRow);
+  constexpr int kRing = kDecodeAhead / kDecodeKeys + 1;
+  w.off.resize(static_cast<size_t>(kRing) * kDecodeKeys);
+  auto offsets = [&](int c0) -> int64_t* { return w.off.data() + ((c0 - k_lo) / kDecodeKeys % kRing) * kDecodeKeys; };
+  for (int c0 = k_lo; c0 < std::min(k_hi, k_lo + kDecodeAhead); c0 += kDecodeKeys)
+    row_offsets(table, c0, std::min(kDecodeKeys, k_hi - c0), bs, block_stride, row_stride, offsets(c0));
+
+  const T* kr[kDecodeKeys];
+  const T* vr[kDecodeKeys];
+  const int steps = (k_hi - k_lo + kDecodeKeys - 1) / kDecodeKeys;
+  const DecodeRows<T, DT> there = next != nullptr ? DecodeRows<T, DT>(p, *next) : here;
+  int64_t next_off[kDecodeKeys];
+  for (int c0 = k_lo, step = 0; c0 < k_hi; c0 += kDecodeKeys, ++step) {
+    const int n = std::min(kDecodeKeys, k_hi - c0);
+    const int64_t* off = offsets(c0);
+    // The step whose rows this one prefetches: this unit's, kDecodeAhead keys on, or past its
+    // end the next unit's first ones.
+    const int a0 = c0 + kDecodeAhead;
+    const DecodeRows<T, DT>* ahead = &here;
+    const int64_t* ahead_off = offsets(a0);
+    int n_ahead = a0 < k_hi ? std::min(kDecodeKeys, k_hi - a0) : 0;
+    if (n_ahead > 0) {
+      row_offsets(table, a0, n_ahead, bs, block_stride, row_stride, offsets(a0));
+    } else if (next != nullptr) {
+      const int b0 = there.k_lo + (step + kDecodeAhead / kDecodeKeys - steps) * kDecodeKeys;
+      n_ahead = b0 < there.k_hi ? std::min(kDecodeKeys, there.k_hi - b0) : 0;
+      row_offsets(there.table, b0, n_ahead, bs, block_stride, row_stride, next_off);
+      ahead = &there;
+      ahead_off = next_off;
+    }
+    const int calls = 2 * nh * kDecodeKeys;  // the first pass of each head calls it twice per key
+    const int lines_per_row = ahead->lines_per_row;
+    PrefetchCursor pf{reinterpret_cast<const char*>(ahead->k), reinterpret_cast<const char*>(ahead->v), ahead_off,
+                      static_cast<int>(sizeof(T)), n_ahead, lines_per_row,
+                      (n_ahead * lines_per_row + calls - 1) / calls};
+    for (int hh = 0; hh < nh; ++hh) {
+      const int64_t head = static_cast<int64_t>(hh) * DT;
+      for (int j = 0; j < kDecodeKeys; ++j) {
+        kr[j] = j < n ? kc + off[j] + head : zero;
+        vr[j] = j < n ? vc + off[j] + head : zero;
+      }
+      for (int pass = 0, g0 = 0; pass < passes; ++pass) {
+        const int gb = G / passes + (pass < G % passes ? 1 : 0);
+        const int r = hh * G + g0;
+        decode_pass<T, DT>(gb, w.q.data() + static_cast<int64_t>(r) * DT, kr, vr, n, pass == 0 ? &pf : nullptr,
+                           p.softcap, w.acc.data() + static_cast<int64_t>(r) * DT, w.head.data() + r);
+        g0 += gb;
+      }
+    }
+  }
+
+  T* dst = static_cast<T*>(p.out) + (static_cast<int64_t>(qs + u.t0) * p.num_heads + u.h0 * G) * DT;
+  for (int r = 0; r < rows; ++r) {
+    const float total = add_lanes(w.head[r].sum);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int x = 0; x < DT; ++x) {
+      const float o = w.acc[static_cast<size_t>(r) * DT + x] * inv;
+      if constexpr (sizeof(T) == sizeof(float))
+        dst[static_cast<int64_t>(r) * DT + x] = o;
+      else
+        dst[static_cast<int64_t>(r) * DT + x] = float_to_bf16(o);
+    }
+  }
+}
