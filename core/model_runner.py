@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.cpu_linear import pack_linears, packed_linears
 from pagedkv.core.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedkv.core.logprobs import prompt_logprob_span
@@ -47,6 +48,8 @@ class ModelRunner:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
+        # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step (pagedkv.core.cpu_linear)
+        self.packed_linears = device == "cpu" and pack_linears(model) > 0
         self.backend = backend
         self.spec = spec
         self.device = device
@@ -104,12 +107,13 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, pairs)
         meta = self.build_metadata(batch)
         step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches)
-        result = self.model(
-            input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device),
-            pagedkv_step=step,
-        )
+        with packed_linears(self.packed_linears):
+            result = self.model(
+                input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device),
+                pagedkv_step=step,
+            )
         return result.logits[0].float()
 
