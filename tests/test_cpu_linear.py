@@ -54,6 +54,7 @@ def test_the_packed_weight_is_used_only_inside_packed_linears(monkeypatch):
         torch.testing.assert_close(layer(x), plain)
         with packed_linears():
             torch.testing.assert_close(layer(x), 2 * plain)
+            torch.testing.assert_close(layer(x[:1]), plain[:1])  # one row: MKL's gemv (cpu_linear.MIN_ROWS)
             with packed_linears(False):
                 torch.testing.assert_close(layer(x), plain)
         torch.testing.assert_close(layer(x), plain)
