@@ -19,6 +19,7 @@ memory of the weights once more.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -26,6 +27,9 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.limits import available_memory
+
+log = logging.getLogger("pagedkv")
 _ACTIVE: ContextVar[bool] = ContextVar("pagedkv_packed_linears", default=False)
 # A single row is a matrix-vector product, bound by reading the weight; there MKL's gemv is a few % faster
 # than oneDNN (whose call costs ~10 us more); from 2 rows on oneDNN wins (measured on SmolLM2's layers).
@@ -68,8 +72,16 @@ class PackedLinear(torch.nn.Linear):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Make every fp32 CPU ``nn.Linear`` of ``model`` a :class:`PackedLinear` and pack its weight now;
-    returns how many linears are packed (0 without oneDNN). Idempotent."""
+    returns how many linears are packed (0 without oneDNN, or when the packed copies would not fit in the
+    memory available now: then one log line, and the model runs as it is). Idempotent."""
     if not available():
+        return 0
+    todo = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in todo)
+    free = available_memory()
+    if free is not None and needed > free // 2:  # leave the other half to the KV cache and the step's activations
+        log.warning("pagedkv: not packing the linear layers for oneDNN: %.2f GiB needed, %.2f GiB available",
+                    needed / 2**30, free / 2**30)
         return 0
     count = 0
     for module in model.modules():

@@ -48,12 +48,13 @@ class ModelRunner:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
-        # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step (pagedkv.core.cpu_linear)
-        self.packed_linears = device == "cpu" and pack_linears(model) > 0
         self.backend = backend
         self.spec = spec
         self.device = device
         self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+        # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step (pagedkv.core.cpu_linear);
+        # after the KV cache, which has the first claim on memory
+        self.packed_linears = device == "cpu" and pack_linears(model) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 

@@ -107,3 +107,12 @@ def test_the_engine_packs_and_leaves_the_model_plain_outside_it(tiny_llama, refe
     outs = llm.generate(prompts[:2], SamplingParams(max_tokens=GREEDY_MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected["llama"][:2]
     assert hf_greedy(tiny_llama, prompts[0], GREEDY_MAX_NEW) == expected["llama"][0]
+
+
+def test_no_packing_when_the_copies_would_not_fit_in_memory(monkeypatch, caplog):
+    model = _model()
+    monkeypatch.setattr(cpu_linear, "available_memory", lambda: 1000)  # bytes: far less than 2x the weights
+    with caplog.at_level("WARNING", logger="pagedkv"):
+        assert pack_linears(model) == 0
+    assert all(type(layer) is torch.nn.Linear for layer in (model[0], model[2]))
+    assert len(caplog.records) == 1 and "not packing" in caplog.records[0].getMessage()
