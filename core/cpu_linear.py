@@ -60,6 +60,14 @@ class PackedLinear(torch.nn.Linear):
                 return torch.ops.mkldnn._linear_pointwise(input, pack, self.bias, "none", [], "")
         return super().forward(input)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the pack out (an opaque oneDNN tensor has no storage to copy); they repack
+        on first use."""
+        state = dict(self.__dict__)
+        state.pop("_pack", None)
+        state.pop("_pack_key", None)
+        return state
+
     def packed_weight(self) -> torch.Tensor | None:
         """The packed weight, (re)made if the weight changed; None when the weight is not fp32 on the CPU."""
         weight = self.weight

@@ -85,6 +85,25 @@ def test_forward_hooks_and_parameters_survive_packing():
     assert pack_linears(layer) == 1  # again: nothing changes
 
 
+def test_a_packed_model_can_be_copied_and_pickled():
+    """The pack is a cache: deepcopy and pickle leave it out, and the copy packs its own on first use."""
+    import copy
+    import io
+
+    model = _model()
+    pack_linears(model)
+    x = torch.randn(6, 48)
+    with torch.inference_mode(), packed_linears():
+        expected = model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert type(clone[0]) is PackedLinear and clone[0].weight is not model[0].weight
+        with torch.inference_mode(), packed_linears():
+            torch.testing.assert_close(clone(x), expected, rtol=0, atol=0)
+
+
 def test_only_float32_cpu_linears_are_packed():
     model = _model().to(torch.bfloat16)
     assert pack_linears(model) == 0
