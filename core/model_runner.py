@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.cpu_linear import pack_linears, packed_linears
 from pagedkv.core.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedkv.core.logprobs import prompt_logprob_span
@@ -51,6 +52,9 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+        # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step (pagedkv.core.cpu_linear);
+        # after the KV cache, which has the first claim on memory
+        self.packed_linears = device == "cpu" and pack_linears(model) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 
@@ -104,12 +108,13 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, pairs)
         meta = self.build_metadata(batch)
         step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches)
-        result = self.model(
-            input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device),
-            pagedkv_step=step,
-        )
+        with packed_linears(self.packed_linears):
+            result = self.model(
+                input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device),
+                pagedkv_step=step,
+            )
         return result.logits[0].float()
 

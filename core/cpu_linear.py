@@ -1,0 +1,128 @@
+"""fp32 linear layers on the CPU through oneDNN, with each weight packed once.
+
+A decode step multiplies a few dozen rows by every weight matrix of the model, and on the
+CPU those small-M products are most of the step. torch's ``F.linear`` hands them to MKL
+sgemm on the weight's plain ``[out, in]`` layout; oneDNN with the weight reordered once
+into its own blocked layout (what ``torch.compile``'s CPU freezing and vLLM's CPU backend
+do) is measured 20-35% faster on SmolLM2-135M's layers at 16-64 rows and ~45% faster on
+its 49152 x 576 ``lm_head``, at 1 thread, weights cold in cache as in a step
+(``benchmarks/RESULTS.md``, the decode-step section of issue 20). It rounds differently
+from MKL (both are plain fp32 sums in another order); greedy outputs stay token-identical
+to transformers in the tests.
+
+:func:`pack_linears` upgrades a model's fp32 ``nn.Linear`` modules in place to
+:class:`PackedLinear`. The packed path runs only inside :func:`packed_linears` (the
+model runner's forward); any other caller of the model, e.g. transformers ``generate``
+on the same instance, gets plain ``nn.Linear`` arithmetic. The packed copy costs the
+memory of the weights once more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from pagedkv.core.limits import available_memory
+
+log = logging.getLogger("pagedkv")
+_ACTIVE: ContextVar[bool] = ContextVar("pagedkv_packed_linears", default=False)
+# A single row is a matrix-vector product, bound by reading the weight; there MKL's gemv is a few % faster
+# than oneDNN (whose call costs ~10 us more); from 2 rows on oneDNN wins (measured on SmolLM2's layers).
+MIN_ROWS = 2
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN and the linear ops used here."""
+    ops = torch.ops.mkldnn
+    return bool(torch.backends.mkldnn.is_available()) and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class PackedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that, inside :func:`packed_linears`, multiplies fp32 CPU inputs by a oneDNN-packed copy
+    of its weight. The copy is remade whenever the weight is replaced or changed in place (tensor-parallel
+    sharding, ``model.to``, ``load_state_dict``), so it never goes stale."""
+
+    _pack: torch.Tensor | None = None
+    _pack_key: tuple | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own parameter name
+        if (_ACTIVE.get() and input.dtype == torch.float32 and input.device.type == "cpu"
+                and input.numel() >= MIN_ROWS * input.shape[-1]):
+            pack = self.packed_weight()
+            if pack is not None:
+                return torch.ops.mkldnn._linear_pointwise(input, pack, self.bias, "none", [], "")
+        return super().forward(input)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the pack out (an opaque oneDNN tensor has no storage to copy); they repack
+        on first use."""
+        state = dict(self.__dict__)
+        state.pop("_pack", None)
+        state.pop("_pack_key", None)
+        return state
+
+    def packed_weight(self) -> torch.Tensor | None:
+        """The packed weight, (re)made if the weight changed; None when the weight is not fp32 on the CPU."""
+        weight = self.weight
+        key = _weight_key(weight)
+        if key != self._pack_key:
+            self._pack = _pack(weight) if _packable(weight) else None
+            self._pack_key = key
+        return self._pack
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Make every fp32 CPU ``nn.Linear`` of ``model`` a :class:`PackedLinear` and pack its weight now;
+    returns how many linears are packed (0 without oneDNN, or when the packed copies would not fit in the
+    memory available now: then one log line, and the model runs as it is). Idempotent."""
+    if not available():
+        return 0
+    todo = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in todo)
+    free = available_memory()
+    if free is not None and needed > free // 2:  # leave the other half to the KV cache and the step's activations
+        log.warning("pagedkv: not packing the linear layers for oneDNN: %.2f GiB needed, %.2f GiB available",
+                    needed / 2**30, free / 2**30)
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and _packable(module.weight):
+            # The class is changed in place, not the module replaced, so everything attached to it stays:
+            # its forward hooks (tensor parallel's all-reduce), parameters, tied weights, name. PackedLinear
+            # adds no state but its pack (torch.nn.utils.parametrize upgrades modules the same way).
+            module.__class__ = PackedLinear
+        if isinstance(module, PackedLinear) and module.packed_weight() is not None:
+            count += 1
+    return count
+
+
+@contextmanager
+def packed_linears(enabled: bool = True) -> Iterator[None]:
+    """Within this block (and this thread/context), :class:`PackedLinear` modules use their packed weights."""
+    token = _ACTIVE.set(enabled)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the weight's current contents: storage, layout, and (when tracked) the in-place version."""
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), weight.stride(), version
