@@ -431,14 +431,27 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   }
 }
 
+#include "prefill.h"
+
+// Units of many query rows (prefill) take the prefill path when the head dim is whole vectors.
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());
+  const int group = p.num_heads / p.num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
+    PrefillScratch pw;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) run_unit<T, DT>(p, units[i], w);
+    for (int i = 0; i < n; ++i) {
+      if constexpr (DT > 0 && DT % kLanes == 0) {
+        if ((units[i].t1 - units[i].t0) * group >= kPrefillMinRows) {
+          run_prefill_unit<T, DT>(p, units[i], pw);
+          continue;
+        }
+      }
+      run_unit<T, DT>(p, units[i], w);
+    }
   }
 }
 

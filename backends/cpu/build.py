@@ -25,6 +25,7 @@ from pathlib import Path
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
+HEADERS = ("prefill.h",)  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -56,7 +57,8 @@ def library_path() -> Path:
     from pagedkv.core.model_loader import cache_dir
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+    sources = [SOURCE.read_bytes(), *((SOURCE.parent / h).read_bytes() for h in HEADERS)]
+    for part in (*sources, " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "cpu_attention" / f"pagedkv_cpu_attention_{key.hexdigest()[:16]}.so"
