@@ -40,10 +40,15 @@ inline vfloat exp2_neg_vec(vfloat x) {
   return keep ? p * scale : vfloat{};
 }
 
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// A tree of shuffles (GCC turns the plain loop into a serial chain of 15 scalar maxes).
 inline float max_of_lanes(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
 }
 
 inline float sum_of_lanes(vfloat v) {
@@ -167,7 +172,7 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
   float alpha[R];
   for (int r = 0; r < R; ++r) {
     vfloat m = s[r][0];
-    for (int i = 1; i < kKeyVecs; ++i) m = m > s[r][i] ? m : s[r][i];
+    for (int i = 1; i < kKeyVecs; ++i) m = vmax(m, s[r][i]);
     const float old_max = row_max[r];
     const float new_max = std::max(old_max, max_of_lanes(m));
     if (new_max == -INFINITY) {  // nothing seen yet, nor in this chunk: the row stays empty
