@@ -1,5 +1,6 @@
 // Prefill attention: many query rows share every K/V chunk (included by attention.cpp, inside its
-// anonymous namespace, after Params, Unit, vfloat, the bf16 helpers and row_offsets).
+// anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store, kChunk,
+// exp2_neg, the bf16 conversions, row_offsets and prefetch_rows).
 //
 // A unit (sequence, tile of query tokens, KV heads) walks its keys in chunks of kChunk rows through the
 // block table, as the general path does. Per chunk and KV head the chunk's K is transposed once
