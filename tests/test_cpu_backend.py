@@ -133,6 +133,48 @@ def test_logit_softcap(backend, softcap):
     check(backend, [60, 25], [1, 25], 16, softcap=softcap, window=7, query=lambda q: q * 8, seed=4)
 
 
+# --- the prefill path (prefill.h): query tiles of many rows, in register blocks of 6 rows ---------------------
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_prefill_rows_in_every_block_remainder(backend, group):
+    # rows = tokens x group: every remainder mod 6 of a tile's rows, with and without a cached prefix
+    lengths = list(range(2, 15))
+    check(backend, lengths, lengths, 16, heads=2 * group, kv_heads=2, seed=group)
+    check(backend, [n + 21 for n in lengths], lengths, 16, heads=2 * group, kv_heads=2, seed=10 + group)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 48, 256])
+def test_long_prefill_over_many_key_chunks(backend, block_size):
+    # several 64-key chunks and query tiles; prefixes that end inside a chunk; causal edges inside a chunk
+    check(backend, [200, 333, 129], [200, 140, 65], block_size, heads=9, kv_heads=3, seed=block_size)
+
+
+@pytest.mark.parametrize("window", [3, 64, 100])
+def test_prefill_window_across_chunks_over_a_cached_prefix(backend, window):
+    # rows whose window has left whole chunks behind, and chunks that only some rows of a block see
+    check(backend, [260, 90], [150, 90], 16, heads=6, kv_heads=3, window=window, seed=window)
+
+
+@pytest.mark.parametrize("dim", [32, 128, 256])
+def test_prefill_head_dims_over_a_cached_prefix(backend, dim):
+    check(backend, [150, 40], [70, 40], 16, heads=4, kv_heads=1, dim=dim, seed=dim)
+
+
+def test_bfloat16_prefill_over_a_cached_prefix(backend):
+    check(backend, [230, 64], [100, 64], 16, heads=9, kv_heads=3, dtype=torch.bfloat16, seed=5)
+    check(backend, [230], [100], 16, heads=9, kv_heads=3, dtype=torch.bfloat16, window=40, seed=6)
+
+
+def test_prefill_with_softcap_over_chunks(backend):
+    check(backend, [180], [120], 16, heads=6, kv_heads=2, softcap=2.0, query=lambda q: q * 8, seed=7)
+
+
+def test_prefill_query_as_a_strided_view(backend):
+    check(backend, [140, 70], [100, 70], 16, heads=9, kv_heads=3,
+          query=lambda q: q.transpose(0, 1).contiguous().transpose(0, 1))
+
+
 def test_context_one_and_a_single_query_head(backend):
     check(backend, [1], [1], 16, heads=1, kv_heads=1)
 
@@ -157,6 +199,18 @@ def test_bad_arguments_fail_with_one_clear_error(backend):
         backend.attend(q, k_cache, v_cache, meta, 0.125, softcap=-1.0)
     with pytest.raises(ValueError, match="query heads"):
         backend.attend(q[:, :3], k_cache, v_cache, meta, 0.125)
+
+
+def test_build_cache_key_covers_the_included_prefill_header(monkeypatch, tmp_path):
+    # an edit to prefill.h alone must not load a library built from the old header
+    for name in (build.SOURCE.name, *build.HEADERS):
+        (tmp_path / name).write_bytes((build.SOURCE.parent / name).read_bytes())
+    monkeypatch.setattr(build, "SOURCE", tmp_path / build.SOURCE.name)
+    before = build.library_path()
+    header = tmp_path / "prefill.h"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert build.library_path() != before
+    assert '#include "prefill.h"' in build.SOURCE.read_text()
 
 
 def test_missing_compiler_falls_back_to_the_reference_with_one_log_line(monkeypatch, tmp_path, caplog):

@@ -432,14 +432,19 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
 }
 
 #include "decode.h"
+#include "prefill.h"
 
+// Decode units (one query token) take the decode kernel, units of many query rows (prefill) the
+// prefill path, when the head dim is whole vectors; anything else the general run_unit.
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());
+  const int group = p.num_heads / p.num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
     DecodeScratch dw;
+    PrefillScratch pw;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) {
       if constexpr (DT > 0 && DT % kLanes == 0) {
@@ -448,6 +453,10 @@ void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
           // whose misses would cost bandwidth, so no hint.
           const bool next = threads == 1 && i + 1 < n && units[i + 1].t1 - units[i + 1].t0 == 1;
           run_decode_unit<T, DT>(p, units[i], next ? &units[i + 1] : nullptr, dw);
+          continue;
+        }
+        if ((units[i].t1 - units[i].t0) * group >= kPrefillMinRows) {
+          run_prefill_unit<T, DT>(p, units[i], pw);
           continue;
         }
       }

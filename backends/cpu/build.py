@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
-HEADERS = ("decode.h",)  # included by SOURCE: part of the cache key
+HEADERS = ("decode.h", "prefill.h")  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
