@@ -85,6 +85,20 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// The largest lane, by a tree of shuffles (GCC turns the plain loop into a serial chain of 15 scalar maxes).
+inline float max_lanes(vfloat v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+
 struct Scratch {
   std::vector<float> q, acc, s, row_max, row_sum, k, v, kt, alpha;
   std::vector<int> range;

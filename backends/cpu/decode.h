@@ -34,7 +34,6 @@ constexpr int kDecodeAhead = 32;
 // into L1 (t0) or non-temporal is ~1.7x slower, the whole step's data evicts the rows in use.
 constexpr int kPrefetchLocality = 1;
 
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
@@ -76,16 +75,6 @@ inline vfloat tree4(vfloat a, vfloat b) {
          __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 // Tree input i comes out in lane kTreeInput[i] (a bit reversal, its own inverse).
-
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-inline float max_lanes(vfloat v) {
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
 
 inline float add_lanes(vfloat v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -16,8 +16,6 @@ constexpr int kRowBlock = 6;  // 6 rows x 4 score vectors + 4 K vectors + 1 broa
 constexpr int kKeyVecs = kChunk / kLanes;
 constexpr int kPrefillMinRows = 8;  // fewer rows than this do not pay for transposing each K chunk
 
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
 inline vfloat splat(float x) { return vfloat{} + x; }
 
 // 2^x lane by lane, the polynomial of exp2_neg; lanes below -126 (masked keys are -inf) give exactly 0.
@@ -39,17 +37,6 @@ inline vfloat exp2_neg_vec(vfloat x) {
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return keep ? p * scale : vfloat{};
-}
-
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-// A tree of shuffles (GCC turns the plain loop into a serial chain of 15 scalar maxes).
-inline float max_of_lanes(vfloat v) {
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
 }
 
 inline float sum_of_lanes(vfloat v) {
@@ -175,7 +162,7 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
     vfloat m = s[r][0];
     for (int i = 1; i < kKeyVecs; ++i) m = vmax(m, s[r][i]);
     const float old_max = row_max[r];
-    const float new_max = std::max(old_max, max_of_lanes(m));
+    const float new_max = std::max(old_max, max_lanes(m));
     if (new_max == -INFINITY) {  // nothing seen yet, nor in this chunk: the row stays empty
       alpha[r] = 1.0f;
       for (int i = 0; i < kKeyVecs; ++i) store(prob[r] + i * kLanes, vfloat{});
