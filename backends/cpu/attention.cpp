@@ -98,6 +98,28 @@ inline float max_lanes(vfloat v) {
   return v[0];
 }
 
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// 2^x lane by lane, the polynomial of exp2_neg; lanes below -126 (masked keys are -inf) give exactly 0.
+inline vfloat exp2_neg_vec(vfloat x) {
+  const vfloat lo = splat(-126.0f);
+  const vint keep = x > lo;
+  x = keep ? x : lo;
+  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to nearest
+  const vfloat n = (x + magic) - magic;
+  const vfloat r = (x - n) * kLn2;
+  vfloat p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return keep ? p * scale : vfloat{};
+}
 
 struct Scratch {
   std::vector<float> q, acc, s, row_max, row_sum, k, v, kt, alpha;

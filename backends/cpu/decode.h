@@ -1,7 +1,7 @@
 // The decode kernel: work units with one query token (every decode step, and the
 // last token of a prefill tile). Included by attention.cpp inside its anonymous
 // namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
-// exp2_neg, row_offsets, kLog2e, bf16 conversions).
+// exp2_neg and exp2_neg_vec, vmax and max_lanes, row_offsets, kLog2e, bf16 conversions).
 //
 // Why it is separate from run_unit: with one query token a unit has only the G query
 // heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
@@ -82,25 +82,6 @@ inline float add_lanes(vfloat v) {
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
-}
-
-// exp2_neg on 16 lanes (same polynomial); rounds by the 1.5 * 2^23 trick, exact for |x| < 2^22.
-inline vfloat exp2_neg_lanes(vfloat x) {
-  const vfloat lo = vfloat{} - 126.0f;
-  x = x < lo ? lo : x;
-  const vfloat n = (x + 12582912.0f) - 12582912.0f;
-  const vfloat r = (x - n) * kLn2;
-  vfloat p = vfloat{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // Online-softmax state of one query head: running max (log2 units), per-lane running sum.
@@ -201,7 +182,7 @@ inline void decode_step(const float* q, const T* const* kr, const T* const* vr, 
     const float old_max = hs[g].max;
     const float new_max = std::max(old_max, max_lanes(sg));
     alpha[g] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
-    vfloat pg = exp2_neg_lanes(sg - new_max);
+    vfloat pg = exp2_neg_vec(sg - new_max);
     pg = valid ? pg : vfloat{};
     hs[g].max = new_max;
     hs[g].sum = hs[g].sum * alpha[g] + pg;

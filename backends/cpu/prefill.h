@@ -1,6 +1,6 @@
 // Prefill attention: many query rows share every K/V chunk (included by attention.cpp, inside its
 // anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store, kChunk,
-// exp2_neg, the bf16 conversions, row_offsets and prefetch_rows).
+// exp2_neg and exp2_neg_vec, vmax and max_lanes, the bf16 conversions, row_offsets and prefetch_rows).
 //
 // A unit (sequence, tile of query tokens, KV heads) walks its keys in chunks of kChunk rows through the
 // block table, as the general path does. Per chunk and KV head the chunk's K is transposed once
@@ -15,29 +15,6 @@
 constexpr int kRowBlock = 6;  // 6 rows x 4 score vectors + 4 K vectors + 1 broadcast fit 32 AVX-512 registers
 constexpr int kKeyVecs = kChunk / kLanes;
 constexpr int kPrefillMinRows = 8;  // fewer rows than this do not pay for transposing each K chunk
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-// 2^x lane by lane, the polynomial of exp2_neg; lanes below -126 (masked keys are -inf) give exactly 0.
-inline vfloat exp2_neg_vec(vfloat x) {
-  const vfloat lo = splat(-126.0f);
-  const vint keep = x > lo;
-  x = keep ? x : lo;
-  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to nearest
-  const vfloat n = (x + magic) - magic;
-  const vfloat r = (x - n) * kLn2;
-  vfloat p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return keep ? p * scale : vfloat{};
-}
 
 inline float sum_of_lanes(vfloat v) {
   float s = 0.0f;
