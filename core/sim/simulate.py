@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,6 +73,20 @@ def _percentiles(values: list[float]) -> dict:
     return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
+@contextmanager
+def _cyclic_gc_off() -> Iterator[None]:
+    """A run keeps ~10 objects per request alive and makes almost no reference cycles: the cyclic
+    collector's passes over the live ones are pure cost, growing with the run (15% of a 20k-request run)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@_cyclic_gc_off()
 def run_once(
     workload: Workload,
     setup: SimSetup,
@@ -88,28 +103,6 @@ def run_once(
     ``after_run(engine)`` when the last request finished, before the figures are read
     (the command line closes a trace with it).
     """
-    # A run keeps ~10 objects per request alive and makes almost no reference cycles: the cyclic
-    # collector's passes over the live ones are pure cost, growing with the run (15% of a 20k-request run).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _run(workload, setup, step_time, plugins=plugins, series=series, progress=progress,
-                    after_run=after_run)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _run(
-    workload: Workload,
-    setup: SimSetup,
-    step_time: StepTimeModel | None = None,
-    *,
-    plugins: tuple[Any, ...] = (),
-    series: bool = True,
-    progress: Callable[[int, int], None] | None = None,
-    after_run: Callable[[Any], None] | None = None,
-) -> dict:
     import time
 
     from pagedkv.core.errors import RequestRejected
