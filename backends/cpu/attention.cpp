@@ -86,6 +86,25 @@ inline vfloat load(const float* p) {
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// 16 consecutive elements of a cache row as floats (bf16 widened in registers).
+template <typename T>
+inline vfloat load_row(const T* p);
+template <>
+inline vfloat load_row<float>(const float* p) {
+  return load(p);
+}
+template <>
+inline vfloat load_row<uint16_t>(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint wide = __builtin_convertvector(h, vuint) << 16;
+  vfloat f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
 
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 

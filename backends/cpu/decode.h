@@ -1,7 +1,7 @@
 // The decode kernel: work units with one query token (every decode step, and the
 // last token of a prefill tile). Included by attention.cpp inside its anonymous
 // namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
-// exp2_neg and exp2_neg_vec, vmax and max_lanes, row_offsets, kLog2e, bf16 conversions).
+// load_row, exp2_neg and exp2_neg_vec, vmax and max_lanes, row_offsets, kLog2e, bf16 conversions).
 //
 // Why it is separate from run_unit: with one query token a unit has only the G query
 // heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
@@ -34,27 +34,8 @@ constexpr int kDecodeAhead = 32;
 // into L1 (t0) or non-temporal is ~1.7x slower, the whole step's data evicts the rows in use.
 constexpr int kPrefetchLocality = 1;
 
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
 // Stand-in for the keys past the end of a partial step: zeros, never the cache's unused slots.
 alignas(64) const float kZeroRow[256] = {};
-
-template <typename T>
-inline vfloat load_row(const T* p);
-template <>
-inline vfloat load_row<float>(const float* p) {
-  return load(p);
-}
-template <>
-inline vfloat load_row<uint16_t>(const uint16_t* p) {
-  vhalf h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint wide = __builtin_convertvector(h, vuint) << 16;
-  vfloat f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 
 // The shuffle tree of sum_lanes_of_16, one level at a time: level L adds pairs of
 // partial sums 16 >> L lanes apart and interleaves two inputs' results.

@@ -1,5 +1,5 @@
 // Prefill attention: many query rows share every K/V chunk (included by attention.cpp, inside its
-// anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store, kChunk,
+// anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store/load_row, kChunk,
 // exp2_neg and exp2_neg_vec, vmax and max_lanes, the bf16 conversions, row_offsets and prefetch_rows).
 //
 // A unit (sequence, tile of query tokens, KV heads) walks its keys in chunks of kChunk rows through the
@@ -20,22 +20,6 @@ inline float sum_of_lanes(vfloat v) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
-}
-
-// 16 consecutive elements of a cache row as floats.
-template <typename T>
-inline vfloat load_row16(const T* src) {
-  if constexpr (sizeof(T) == sizeof(float)) {
-    return load(reinterpret_cast<const float*>(src));
-  } else {
-    typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-    vhalf h;
-    std::memcpy(&h, src, sizeof(h));
-    const vint bits = __builtin_convertvector(h, vint) << 16;
-    vfloat f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
 }
 
 // In registers: afterwards lane i of r[l] is what lane l of r[i] was. Three rounds of two-source
@@ -77,7 +61,7 @@ inline void transpose_chunk(const T* const* k, int n, float* kt) {
   for (int j0 = 0; j0 < kChunk; j0 += kLanes)
     for (int x0 = 0; x0 < DT; x0 += kLanes) {
       vfloat r[16];
-      for (int l = 0; l < kLanes; ++l) r[l] = j0 + l < n ? load_row16<T>(k[j0 + l] + x0) : vfloat{};
+      for (int l = 0; l < kLanes; ++l) r[l] = j0 + l < n ? load_row<T>(k[j0 + l] + x0) : vfloat{};
       transpose_16x16(r);
       for (int x = 0; x < kLanes; ++x) store(kt + (x0 + x) * kChunk + j0, r[x]);
     }
@@ -258,7 +242,7 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
           vrow[j] = reinterpret_cast<const float*>(vr);
         } else {
           float* vd = w.v.data() + static_cast<int64_t>(j) * DT;
-          for (int x = 0; x < DT; x += kLanes) store(vd + x, load_row16<T>(vr + x));
+          for (int x = 0; x < DT; x += kLanes) store(vd + x, load_row<T>(vr + x));
           vrow[j] = vd;
         }
       }
