@@ -327,6 +327,25 @@ inline void prefetch_rows(const T* base, const int64_t* off, int n, int64_t byte
   }
 }
 
+// The unit's query rows as fp32 in q (d floats each, KV head major; row m of a KV head is token m / G,
+// query head m % G of its group), pre-scaled: by the softmax scale, and by log2(e) too unless the
+// scores are soft-capped (capping needs natural units; the exponentials are 2^x).
+template <typename T>
+void scaled_queries(const Params& p, const Unit& u, int d, float* q) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int M = (u.t1 - u.t0) * G;
+  const int nh = u.h1 - u.h0;
+  const float qscale = p.softcap > 0.0f ? p.scale : p.scale * kLog2e;
+  const T* qbase = static_cast<const T*>(p.q) + static_cast<int64_t>(p.query_start_loc[u.seq]) * p.q_tok_stride;
+  for (int r = 0; r < nh * M; ++r) {
+    const int m = r % M;
+    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
+    const T* src = qbase + t * p.q_tok_stride + h * p.q_head_stride;
+    float* dst = q + static_cast<int64_t>(r) * d;
+    for (int x = 0; x < d; ++x) dst[x] = to_float<T>(src[x]) * qscale;
+  }
+}
+
 template <typename T, int DT>
 void run_unit(const Params& p, const Unit& u, Scratch& w) {
   const int d = DT ? DT : p.head_dim;
@@ -339,7 +358,6 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   const int qs = p.query_start_loc[u.seq];
   const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
   const bool capped = p.softcap > 0.0f;
-  const float qscale = capped ? p.scale : p.scale * kLog2e;
 
   w.q.resize(static_cast<size_t>(nh) * M * d);
   w.acc.assign(static_cast<size_t>(nh) * M * d, 0.0f);
@@ -354,14 +372,7 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
   w.alpha.resize(M);
   w.range.resize(2 * static_cast<size_t>(M));
 
-  const T* qbase = static_cast<const T*>(p.q);
-  for (int r = 0; r < nh * M; ++r) {
-    const int m = r % M;
-    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
-    const T* src = qbase + (qs + t) * p.q_tok_stride + h * p.q_head_stride;
-    float* dst = w.q.data() + static_cast<int64_t>(r) * d;
-    for (int x = 0; x < d; ++x) dst[x] = to_float<T>(src[x]) * qscale;
-  }
+  scaled_queries<T>(p, u, d, w.q.data());
 
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * d;  // between tokens of one block
   const int64_t block_stride = row_stride * bs;

@@ -233,8 +233,6 @@ void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScr
   const int nh = u.h1 - u.h0;
   const int bs = p.block_size;
   const int qs = p.query_start_loc[u.seq];
-  const bool capped = p.softcap > 0.0f;
-  const float qscale = capped ? p.scale : p.scale * kLog2e;
   const DecodeRows<T, DT> here(p, u);
   const int k_lo = here.k_lo, k_hi = here.k_hi;
   const int32_t* table = here.table;
@@ -243,11 +241,7 @@ void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScr
   w.q.resize(static_cast<size_t>(rows) * DT);
   w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
   w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
-  const T* qbase = static_cast<const T*>(p.q) + (qs + u.t0) * p.q_tok_stride;
-  for (int r = 0; r < rows; ++r) {
-    const T* src = qbase + (u.h0 * G + r) * p.q_head_stride;
-    for (int x = 0; x < DT; ++x) w.q[static_cast<size_t>(r) * DT + x] = to_float<T>(src[x]) * qscale;
-  }
+  scaled_queries<T>(p, u, DT, w.q.data());  // one token: row r is query head h0 * G + r
 
   // Passes of at most kMaxPass query heads, as even as possible (G = 8: 4 + 4, G = 7: 4 + 3).
   const int passes = (G + kMaxPass - 1) / kMaxPass;

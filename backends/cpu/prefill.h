@@ -183,8 +183,6 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
   const int ctx = p.context_lens[u.seq];
   const int qs = p.query_start_loc[u.seq];
   const int32_t* table = p.block_tables + static_cast<int64_t>(u.seq) * p.bt_stride;
-  const bool capped = p.softcap > 0.0f;
-  const float qscale = capped ? p.scale : p.scale * kLog2e;
 
   w.q.resize(static_cast<size_t>(nh) * M * DT);
   w.acc.assign(static_cast<size_t>(nh) * M * DT, 0.0f);
@@ -193,14 +191,7 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
   w.kt.resize(static_cast<size_t>(DT) * kChunk);
   if (sizeof(T) != sizeof(float)) w.v.resize(static_cast<size_t>(kChunk) * DT);
 
-  const T* qbase = static_cast<const T*>(p.q);
-  for (int r = 0; r < nh * M; ++r) {
-    const int m = r % M;
-    const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
-    const T* src = qbase + (qs + t) * p.q_tok_stride + h * p.q_head_stride;
-    float* dst = w.q.data() + static_cast<int64_t>(r) * DT;
-    for (int x = 0; x < DT; ++x) dst[x] = to_float<T>(src[x]) * qscale;
-  }
+  scaled_queries<T>(p, u, DT, w.q.data());
 
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * DT;
   const int64_t block_stride = row_stride * bs;
