@@ -13,6 +13,7 @@ steps that only move the lane without the step machinery (see
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ from pagedkv.core.sim.decode_lane import DecodeLane
 from pagedkv.core.sim.lane_scheduler import lane_reproduces, with_decode_lane
 from pagedkv.core.sim.simulated_runner import SimulatedRunner
 from pagedkv.core.step_sampling import sampling_rows
+
+# What RunStats.observe_step reads of a lane step that preempted nothing (scheduler.cross returns no output then).
+_NOTHING_PREEMPTED = SimpleNamespace(preempted=())
 
 
 class SimEngine(Engine):
@@ -151,16 +155,9 @@ class SimEngine(Engine):
         are left after them, or they do not fit and :meth:`lane_preempts`. Returns the step's decodes and
         their context (KV tokens read), for its duration."""
         out = self.scheduler.cross(due)
-        stats, running, lane = self.stats, len(self.scheduler.running), self.lane
-        stats.steps += 1
+        lane = self.lane
         members = len(lane.members)
-        stats.generated_tokens += members
-        if out is not None:
-            stats.preemptions += len(out.preempted)
-            stats.tokens_recomputed = self.scheduler.tokens_discarded
-        used = self.pool.num_used
-        if used >= stats.peak_blocks_used:
-            stats.observe_memory(used, self.tokens_held(), self.config.block_size, running)
-        elif running > stats.peak_running:
-            stats.peak_running = running
+        self.stats.generated_tokens += members
+        self.stats.observe_step(out if out is not None else _NOTHING_PREEMPTED, self.scheduler, self.pool.num_used,
+                                self.tokens_held, self.config.block_size)
         return members, lane.tokens() - members
