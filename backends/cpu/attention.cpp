@@ -117,6 +117,15 @@ inline float max_lanes(vfloat v) {
   return v[0];
 }
 
+// The sum of the lanes, by the same tree.
+inline float add_lanes(vfloat v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
 inline vfloat splat(float x) { return vfloat{} + x; }
 
 // 2^x lane by lane, the polynomial of exp2_neg; lanes below -126 (masked keys are -inf) give exactly 0.

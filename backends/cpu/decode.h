@@ -1,7 +1,7 @@
 // The decode kernel: work units with one query token (every decode step, and the
 // last token of a prefill tile). Included by attention.cpp inside its anonymous
 // namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
-// load_row, exp2_neg and exp2_neg_vec, vmax and max_lanes, row_offsets, kLog2e, bf16 conversions).
+// load_row, exp2_neg and exp2_neg_vec, vmax, max_lanes and add_lanes, row_offsets, kLog2e, bf16 conversions).
 //
 // Why it is separate from run_unit: with one query token a unit has only the G query
 // heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
@@ -56,14 +56,6 @@ inline vfloat tree4(vfloat a, vfloat b) {
          __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 // Tree input i comes out in lane kTreeInput[i] (a bit reversal, its own inverse).
-
-inline float add_lanes(vfloat v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
 
 // Online-softmax state of one query head: running max (log2 units), per-lane running sum.
 struct DecodeHead {

@@ -1,6 +1,6 @@
 // Prefill attention: many query rows share every K/V chunk (included by attention.cpp, inside its
 // anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store/load_row, kChunk,
-// exp2_neg and exp2_neg_vec, vmax and max_lanes, the bf16 conversions, row_offsets and prefetch_rows).
+// exp2_neg and exp2_neg_vec, vmax, max_lanes and add_lanes, the bf16 conversions, row_offsets and prefetch_rows).
 //
 // A unit (sequence, tile of query tokens, KV heads) walks its keys in chunks of kChunk rows through the
 // block table, as the general path does. Per chunk and KV head the chunk's K is transposed once
@@ -15,12 +15,6 @@
 constexpr int kRowBlock = 6;  // 6 rows x 4 score vectors + 4 K vectors + 1 broadcast fit 32 AVX-512 registers
 constexpr int kKeyVecs = kChunk / kLanes;
 constexpr int kPrefillMinRows = 8;  // fewer rows than this do not pay for transposing each K chunk
-
-inline float sum_of_lanes(vfloat v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // In registers: afterwards lane i of r[l] is what lane l of r[i] was. Three rounds of two-source
 // shuffles (32-bit pairs, 64-bit pairs, 128-bit quarters twice): 64 shuffles for 256 elements,
@@ -260,7 +254,7 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
     const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
     T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * DT;
     const float* am = w.acc.data() + static_cast<int64_t>(r) * DT;
-    const float sum = sum_of_lanes(load(w.row_sum.data() + static_cast<int64_t>(r) * kLanes));
+    const float sum = add_lanes(load(w.row_sum.data() + static_cast<int64_t>(r) * kLanes));
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int x = 0; x < DT; ++x) {
       const float o = am[x] * inv;
