@@ -14,6 +14,12 @@ import torch
 from pagedkv.core.attention_metadata import AttentionMetadata
 
 
+def check_window(window: int | None) -> None:
+    """The one error for a sliding window no backend can honour (see ``AttentionBackend.attend``)."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1 or None, got {window}")
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Operations the model runner needs from an attention backend."""

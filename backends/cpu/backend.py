@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.attention_metadata import AttentionMetadata
@@ -45,8 +46,7 @@ class CpuBackend(TorchBackend):
         if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
             raise ValueError(f"the cpu backend runs float32/bfloat16 caches on the CPU, got {k_cache.dtype} "
                              f"on {k_cache.device}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1 or None, got {window}")
+        check_window(window)
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be > 0 or None, got {softcap}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pagedkv.backends.base import check_window
 from pagedkv.backends.cupy import compile as kc
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.attention_metadata import AttentionMetadata
@@ -316,8 +317,7 @@ class CupyBackend:
         kernel; the two write disjoint rows of the output. ``window``/``softcap``:
         see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset).
         """
-        if window is not None and window < 1:
-            raise ValueError(f"cupy backend: sliding window must be >= 1, got {window}")
+        check_window(window)
         self._check_cache(k_cache, v_cache)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.backends.base import check_window
 from pagedkv.backends.triton.attn_tile import interpreted, online_softmax_over_kv
 
 LOG2E = 1.4426950408889634
@@ -157,8 +158,7 @@ def score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]
 
 def window_arg(window: int | None) -> int:
     """The kernels' ``window`` argument: 0 for none."""
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window must be >= 1, got {window}")
+    check_window(window)
     return int(window or 0)
 
 
