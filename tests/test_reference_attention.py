@@ -6,52 +6,11 @@ import math
 
 import pytest
 import torch
+from attention_cases import make_case, reference
 
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import copy_blocks, swap_blocks, write_kv
 from pagedkv.core.attention_metadata import AttentionMetadata
-
-
-def naive_attention(q, k, v, context_len, scale):
-    """float64, contiguous: q [Q, H, D] at positions context_len.., k/v [L, Hkv, D]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    q_pos = context_len + torch.arange(q.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill(~(k_pos <= q_pos)[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0):
-    """Random K/V laid into a NaN-poisoned paged cache through shuffled block tables."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # non-monotonic physical ids
-    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    tables, keys, values, queries = [], [], [], []
-    for n, nb in zip(seq_lens, blocks_needed):
-        table = [order.pop() for _ in range(nb)]
-        tables.append(table)
-        k = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
-        v = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
-        for pos in range(n):
-            k_cache[table[pos // block_size], pos % block_size] = k[pos]
-            v_cache[table[pos // block_size], pos % block_size] = v[pos]
-        keys.append(k)
-        values.append(v)
-    for q_len in query_lens:
-        queries.append(torch.randn(q_len, heads, dim, generator=gen).to(dtype))
-    meta = AttentionMetadata.build(
-        block_tables=tables,
-        context_lens=[n - q for n, q in zip(seq_lens, query_lens)],
-        query_lens=list(query_lens),
-        block_size=block_size,
-    )
-    return meta, torch.cat(queries), k_cache, v_cache, keys, values
 
 
 def check(seq_lens, query_lens, block_size, dtype=torch.float32, tol=2e-5, **kw):
@@ -62,7 +21,7 @@ def check(seq_lens, query_lens, block_size, dtype=torch.float32, tol=2e-5, **kw)
     assert torch.isfinite(out).all(), "NaN from unused cache slots leaked into the output"
     start = 0
     for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
-        expected = naive_attention(q[start : start + q_len], k, v, n - q_len, scale)
+        expected = reference(q[start : start + q_len], k, v, n - q_len, scale)
         torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tol, rtol=tol)
         start += q_len
 
