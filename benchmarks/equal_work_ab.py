@@ -38,7 +38,7 @@ def main() -> int:
     from conftest import ContentionMonitor, _load
     from pagedkv import LLM
     from pagedkv.backends.cpu.build import _bind
-    from pagedkv.core.model_loader import resolve_model_dir
+    from pagedkv.core.model.model_loader import resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

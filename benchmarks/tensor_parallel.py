@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 
 
 def build_model():

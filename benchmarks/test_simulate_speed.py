@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import pytest
 
-from pagedkv.core.sim.simulate import SimSetup, run_once, simulate
-from pagedkv.core.sim.workload import builtin_workload
+from pagedkv.sim.simulate import SimSetup, run_once, simulate
+from pagedkv.sim.workload import builtin_workload
 
 N = int(os.environ.get("PAGEDKV_SIM_BENCH_REQUESTS", "100000"))
 BASELINE_N = int(os.environ.get("PAGEDKV_SIM_BASELINE_REQUESTS", "5000"))

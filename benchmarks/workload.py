@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.core.demo import DEMO_PROMPTS
+from pagedkv.cli.demo import DEMO_PROMPTS
 
 # 40 short user messages of mixed kind and length; a workload of n takes a seeded sample of them.
 CHAT_TEXTS = [

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.errors import PagedKVError
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.sampling_fields import sampling_extras
 

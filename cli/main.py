@@ -10,9 +10,9 @@ import sys
 import time
 from typing import Any
 
+from pagedkv.cli.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
 from pagedkv.cli.run_display import drive
 from pagedkv.core.errors import PagedKVError
-from pagedkv.core.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
 from pagedkv.core.stats import summarize
 
 
@@ -126,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pagedkv.cli.demo import DEMO_PROMPTS
+    from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
+    from pagedkv.cli.run_checks import check_run_args
     from pagedkv.core.config import EngineConfig
-    from pagedkv.core.demo import DEMO_PROMPTS
     from pagedkv.core.engine import Engine
-    from pagedkv.core.prompt_format import encode_run_prompt, use_chat
-    from pagedkv.core.run_checks import check_run_args
-    from pagedkv.core.sampling_params import SamplingParams
+    from pagedkv.core.sample.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
         from pagedkv.monitor.main import run_with_monitor
@@ -287,7 +287,7 @@ def print_report(completions: list[dict], summary: dict) -> None:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     """Every plugin in the ``pagedkv`` entry-point group, as PAGEDKV_PLUGINS / PAGEDKV_DISABLE_PLUGINS leave it."""
-    from pagedkv.core.plugin_manager import list_plugins
+    from pagedkv.core.plugin.plugin_manager import list_plugins
 
     rows = list_plugins()
     if args.json:

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedkv.core.output_files import check_output_paths
-from pagedkv.core.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
-from pagedkv.core.sim.report import format_report, jsonable
-from pagedkv.core.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
+from pagedkv.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
+from pagedkv.sim.report import format_report, jsonable
+from pagedkv.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
 
 # --- the command line (``engine simulate``; cli/main.py adds the subparser and dispatches here) --------------------
 
@@ -105,8 +105,8 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[str, int, int], None] | No
 
 
 def run_cli(args: Any) -> int:
-    from pagedkv.core.sim.step_time_model import calibrate_from_trace
-    from pagedkv.core.sim.workload import load_workload
+    from pagedkv.sim.step_time_model import calibrate_from_trace
+    from pagedkv.sim.workload import load_workload
 
     check_output_paths(args.trace and ("--trace", args.trace), args.plot and ("--plot", args.plot))
     setup, budget = setup_from_args(args)
@@ -125,7 +125,7 @@ def run_cli(args: Any) -> int:
                           progress=progress, after_run=close_trace)
     report["budget"] = budget
     if args.plot:
-        from pagedkv.core.sim.plot import plot_blocks
+        from pagedkv.sim.plot import plot_blocks
 
         report["plot"] = plot_blocks(args.plot, report)
     if args.trace:

@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine_checks import size_kv_cache, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.kv_cache import capacity_line
-from pagedkv.core.kv_view import KVCacheView
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.kv.kv_cache import capacity_line
+from pagedkv.core.kv.kv_view import KVCacheView
 from pagedkv.core.output_processor import OutputProcessor
-from pagedkv.core.plugin_guard import (
+from pagedkv.core.plugin.plugin_guard import (
     Observers,
     PluginFault,
     PoolHook,
@@ -39,17 +39,17 @@ from pagedkv.core.plugin_guard import (
     configure_plugins,
     startup_fault,
 )
-from pagedkv.core.plugin_manager import chosen_components, has_impls, make_plugin_manager
-from pagedkv.core.request_check import check_prompt
-from pagedkv.core.request_groups import RequestGroups
+from pagedkv.core.plugin.plugin_manager import chosen_components, has_impls, make_plugin_manager
 from pagedkv.core.runner import Runner, make_runner
-from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.scheduler import Sample, SchedulerOutput
-from pagedkv.core.sequence import RequestOutput, Sequence
+from pagedkv.core.sample.sampler import Sampler
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.request_check import check_prompt
+from pagedkv.core.sched.request_groups import RequestGroups
+from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
+from pagedkv.core.sched.sequence import RequestOutput, Sequence
+from pagedkv.core.sched.stop_check import StopCheck, eos_token_ids_of
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.step_sampling import StepSampling, sampling_rows
-from pagedkv.core.stop_check import StopCheck, eos_token_ids_of
 
 
 class Engine:
@@ -77,7 +77,7 @@ class Engine:
         self.backend = None
         from_config = model is None
         if runner is None:
-            from pagedkv.core.model_loader import prepare_model
+            from pagedkv.core.model.model_loader import prepare_model
 
             self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
             model, tokenizer = prepare_model(config, model, tokenizer)

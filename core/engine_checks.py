@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.errors import ConfigError, PagedKVError
-from pagedkv.core.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
+from pagedkv.core.kv.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
 from pagedkv.core.limits import check_cap, check_host_memory
 
 
@@ -58,7 +58,7 @@ def size_kv_cache(config: Any, hf_config: Any, model: Any, allocates: bool) -> t
     will really be allocated (its size is checked against the memory there is)."""
     spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
     if config.tensor_parallel_size > 1 and allocates:  # each rank holds its share of the KV heads
-        from pagedkv.core.tensor_parallel import check_divisible, rank_spec
+        from pagedkv.core.dist.tensor_parallel import check_divisible, rank_spec
 
         check_divisible(hf_config, config.tensor_parallel_size)
         spec = rank_spec(spec, config.tensor_parallel_size)

@@ -3,7 +3,7 @@
 Registrar hooks run once at engine start-up and fill typed registries; the hot
 path then calls plain methods on the chosen objects. A plugin acts on the core
 only through these hooks, the arguments they pass and the typed protocols they
-name (:class:`~pagedkv.core.swap_space.SwapSpace`, :class:`~pagedkv.core.kv_view.KVCacheView`,
+name (:class:`~pagedkv.core.kv.swap_space.SwapSpace`, :class:`~pagedkv.core.kv.kv_view.KVCacheView`,
 ``PagedAllocator.replace_block``); it never sets a core object's attribute. Which decision and observer
 hooks an engine calls is decided when it is built, so register plugins before
 (``Engine(plugins=...)``, entry points, or ``pagedkv_configure``), not after. Decision hooks
@@ -45,7 +45,7 @@ def pagedkv_register_allocators(register: Any) -> None:
 def pagedkv_register_schedulers(register: Any) -> None:
     """Register schedulers: ``register(name, factory, description)``;
     ``factory(config, allocator, events, hooks, swap_space=...)`` where ``hooks`` is ``pm.hook`` or None and
-    ``swap_space`` is the engine's :class:`~pagedkv.core.swap_space.SwapSpace` or None."""
+    ``swap_space`` is the engine's :class:`~pagedkv.core.kv.swap_space.SwapSpace` or None."""
 
 
 # --- lifecycle -----------------------------------------------------------------------------------
@@ -64,8 +64,8 @@ def pagedkv_configure(config: Any, pm: Any) -> None:
 
 @hookspec(firstresult=True)
 def pagedkv_swap_space(config: Any, spec: Any) -> Any | None:
-    """Offer a place for preempted sequences' KV blocks: return a :class:`~pagedkv.core.swap_space.SwapSpace`
-    (or None). ``spec`` is the :class:`~pagedkv.core.kv_cache.KVCacheSpec`. The scheduler then calls it
+    """Offer a place for preempted sequences' KV blocks: return a :class:`~pagedkv.core.kv.swap_space.SwapSpace`
+    (or None). ``spec`` is the :class:`~pagedkv.core.kv.kv_cache.KVCacheSpec`. The scheduler then calls it
     when a preemption is answered ``"swap"``, and a real model runner asks it for its host caches."""
 
 

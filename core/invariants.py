@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.core.sequence import SequenceStatus
+from pagedkv.core.sched.sequence import SequenceStatus
 
 
 def check_invariants(engine: Any) -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sequence import RequestOutput
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.sequence import RequestOutput
 
 
 class LLM:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.core.request_groups import RequestGroups
-from pagedkv.core.sequence import RequestOutput, Sequence
+from pagedkv.core.sched.request_groups import RequestGroups
+from pagedkv.core.sched.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats
 
 

@@ -1,6 +1,6 @@
 """What the engine needs from whatever runs the model for a step.
 
-The engine builds a :class:`~pagedkv.core.model_runner.ModelRunner` itself when none is
+The engine builds a :class:`~pagedkv.core.model.model_runner.ModelRunner` itself when none is
 given; ``engine simulate`` gives a stand-in that only counts tokens
 (``Engine(config, runner=SimulatedRunner(shape))``), and the same pool, allocator,
 scheduler and plugins run around it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pagedkv.core.scheduler import SchedulerOutput
+from pagedkv.core.sched.scheduler import SchedulerOutput
 
 
 class Runner(Protocol):
@@ -28,12 +28,12 @@ class Runner(Protocol):
 def make_runner(config: Any, model: Any, backend: Any, spec: Any, num_blocks: int, swap_space: Any,
                 from_config: bool) -> Any:
     """The runner for a real model: one process, or rank 0 of ``config.tensor_parallel_size`` ranks."""
-    from pagedkv.core.model_runner import ModelRunner
+    from pagedkv.core.model.model_runner import ModelRunner
 
     if config.tensor_parallel_size <= 1:
         return ModelRunner(model, backend, spec, num_blocks, config.device, swap_space)
-    from pagedkv.core.model_support import check_model_support
-    from pagedkv.core.tp_runner import TensorParallelRunner
+    from pagedkv.core.dist.tp_runner import TensorParallelRunner
+    from pagedkv.core.model.model_support import check_model_support
 
     check_model_support(model)  # on the whole model, before it is sharded (a probe forward on one rank would hang)
     return TensorParallelRunner.launch(config, model, backend, spec, num_blocks, from_config, swap_space)

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.logprobs import prompt_logprob_span, record_prompt_logprobs
-from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_batch import SamplingBatch
-from pagedkv.core.scheduler import Sample, SchedulerOutput
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.sample.logprobs import prompt_logprob_span, record_prompt_logprobs
+from pagedkv.core.sample.sampler import Sampler
+from pagedkv.core.sample.sampling_batch import SamplingBatch
+from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
+from pagedkv.core.sched.sequence import Sequence
 
 
 def sampling_rows(out: SchedulerOutput, fork: Any) -> tuple[list[Sequence], list[int]]:

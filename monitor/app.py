@@ -7,31 +7,28 @@ what the reducer marks dirty.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Footer, Header, Sparkline, Static
+from textual.widgets import DataTable, Footer, Header, Static
 
 from pagedkv.core.telemetry_protocol import ProtocolError
 from pagedkv.core.trace import Trace, TraceError
-from pagedkv.monitor.blockmap import GREY, LOOKS, BlockMap, owner_color
-from pagedkv.monitor.state import CACHED, FREE, SHARED, USED, MonitorState
+from pagedkv.monitor.blockmap import BlockMap
+from pagedkv.monitor.panels import MetricsPanel, RequestTable, legend, mapping_text, model_name
+from pagedkv.monitor.state import MonitorState
 from pagedkv.monitor.trace import apply_message
 
 TICK_S = 0.1
 MAX_PENDING = 20_000  # live messages held while paused; beyond this they are dropped (the next keyframe heals)
-COLUMNS = ("", "request", "state", "prompt", "gen", "blocks", "preempt")
-HEADERS = ("", "id", "state", "prompt", "gen", "blk", "pre")
 
 
 class MonitorApp(App):
@@ -75,7 +72,6 @@ class MonitorApp(App):
         self._cursor = 0  # replay: next message
         self._clock = 0.0  # replay: trace time shown so far
         self._last_tick = time.monotonic()
-        self._table_rows: set[str] = set()
         self._timer: Any = None
         self._replay_done = False
 
@@ -90,25 +86,15 @@ class MonitorApp(App):
                 yield BlockMap("gpu", id="gpu")
                 yield Static("CPU swap blocks", id="cpu-title", classes="title")
                 yield BlockMap("cpu", id="cpu")
-                yield Static(self._legend(), id="legend")
+                yield Static(legend(), id="legend")
             with Vertical(id="side"):
                 yield Static("Requests  [dim](↑/↓: show a request's blocks, esc: none)[/]", classes="title")
-                yield DataTable(id="requests", cursor_type="row", zebra_stripes=True)
+                yield RequestTable(id="requests", cursor_type="row", zebra_stripes=True)
                 yield Static("", id="mapping")
-                with Vertical(id="metrics"):
-                    yield Static("", id="kv-label", classes="metric")
-                    yield Sparkline([], id="kv", summary_function=max)
-                    yield Static("", id="waste-label", classes="metric")
-                    yield Sparkline([], id="waste", summary_function=max)
-                    yield Static("", id="toks-label", classes="metric")
-                    yield Sparkline([], id="toks", summary_function=max)
-                    yield Static("", id="counters")
+                yield MetricsPanel(id="metrics")
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one("#requests", DataTable)
-        for name, header in zip(COLUMNS, HEADERS):  # state: as wide as its longest word from the start
-            table.add_column(header, key=name or "color", width=len("finished") if name == "state" else None)
         self.query_one("#gpu", BlockMap).attach(self.state)
         self.query_one("#cpu", BlockMap).attach(self.state)
         self._show_cpu(False)
@@ -140,20 +126,6 @@ class MonitorApp(App):
             self._timer.stop()
         if self.client is not None:
             self.client.stop()
-
-    @staticmethod
-    def _legend() -> Text:
-        text = Text()
-        for label, (glyph, color) in (
-            ("free", LOOKS[FREE]), ("used (owner)", (LOOKS[USED][0], owner_color(0))),
-            ("shared", LOOKS[SHARED]), ("cached", LOOKS[CACHED]),
-            ("swapped", (LOOKS["swapped"][0], owner_color(1))),
-        ):
-            text.append(f"{glyph} ", style=f"bold {color}")
-            text.append(label + "  ", style="#a8a8a8")
-        text.append("██", style=f"bold {owner_color(2)}")
-        text.append(" selected request", style="#a8a8a8")
-        return text
 
     # --- feeding the state ------------------------------------------------------------------------------
 
@@ -262,57 +234,14 @@ class MonitorApp(App):
             grid.update_blocks(everything, dirty)
             if requests:
                 grid.refresh_selection()
-        self._update_table(requests)
+        self.query_one("#requests", RequestTable).update_rows(state, requests)
         if requests and self.selected in requests or everything:
             self._update_mapping()
-        self._update_metrics()
-
-    def _update_table(self, dirty: set[str]) -> None:
-        table = self.query_one("#requests", DataTable)
-        for rid in sorted(dirty, key=lambda r: (len(r), r)):
-            req = self.state.requests.get(rid)
-            if req is None:
-                if rid in self._table_rows:
-                    table.remove_row(rid)
-                    self._table_rows.discard(rid)
-                continue
-            cells = (
-                Text("■", style=owner_color(req.color)), rid, Text(req.state, style=_STATE_STYLES.get(req.state, "")),
-                str(req.prompt), str(req.generated), str(len(req.blocks) + len(req.cpu_blocks)), str(req.preemptions),
-            )
-            if rid in self._table_rows:
-                for name, value in zip(COLUMNS, cells):
-                    table.update_cell(rid, name or "color", value)
-            else:
-                table.add_row(*cells, key=rid)
-                self._table_rows.add(rid)
+        self.query_one("#metrics", MetricsPanel).update_metrics(state, self.paused)
 
     def _update_mapping(self) -> None:
         req = self.state.requests.get(self.selected) if self.selected is not None else None
         self.query_one("#mapping", Static).update(mapping_text(req) if req is not None else "")
-
-    def _update_metrics(self) -> None:
-        state, s = self.state, self.state.stats
-        history = state.history
-        self.query_one("#kv", Sparkline).data = list(history["kv_usage"])  # empty until data: no bar
-        self.query_one("#waste", Sparkline).data = list(history["waste"])
-        self.query_one("#toks", Sparkline).data = list(history["tok_s"])
-        self.query_one("#kv-label", Static).update(
-            f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]  {s.get('used', 0)} used · {s.get('cached', 0)} cached"
-            f" · {state.num_blocks} blocks"
-        )
-        waste = s.get("waste", 0.0)
-        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots)[/]")
-        self.query_one("#toks-label", Static).update(f"tokens/s [b]{state.tokens_per_s:7.1f}[/]")
-        hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
-        pause = "  [reverse] PAUSED [/]" if self.paused else ""
-        self.query_one("#counters", Static).update(
-            f"running [b]{s.get('running', 0)}[/]  waiting [b]{s.get('waiting', 0)}[/]  "
-            f"swapped [b]{s.get('swapped', 0)}[/]  finished [b]{s.get('finished', 0)}[/]\n"
-            f"prefix hit [b]{hit:.1f}%[/]  CoW [b]{s.get('cow', 0)}[/]  "
-            f"swap out/in [b]{s.get('swap_out', 0)}/{s.get('swap_in', 0)}[/]  evicted [b]{s.get('evicted', 0)}[/]\n"
-            f"preemptions [b]{s.get('preemptions', 0)}[/]  step [b]{state.step}[/]  seq {state.seq}{pause}"
-        )
 
     # --- keys ----------------------------------------------------------------------------------------------
 
@@ -363,31 +292,6 @@ class MonitorApp(App):
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         rid = event.row_key.value
         self.action_select(None if rid == self.selected else rid)
-
-
-_STATE_STYLES = {"running": "bold #87d75f", "waiting": "#ffaf5f", "swapped": "#d787ff", "finished": GREY}
-
-
-def model_name(model: str) -> str:
-    """A model's name for the title: the last path part, without pagedkv's conversion-cache key."""
-    name = Path(model.rstrip("/")).name or model
-    return re.sub(r"-[0-9a-f]{12}$", "", name)
-
-
-def mapping_text(req: Any) -> Text:
-    """The request's block table as ``logical→physical`` pairs, wrapping at any width and any index."""
-    text = Text()
-    text.append(f"request {req.id}", style=f"bold {owner_color(req.color)}")
-    text.append(f" · {len(req.blocks)} blocks" + (f" + {len(req.cpu_blocks)} swapped" if req.cpu_blocks else ""),
-                style="#a8a8a8")
-    text.append("\nlogical→physical  ", style="#a8a8a8")
-    for logical, block in enumerate(req.blocks):
-        text.append(f"{logical}→{block}", style="#e4e4e4")
-        text.append("  ")
-    for logical, block in enumerate(req.cpu_blocks):
-        text.append(f"{logical}→cpu{block}", style="#d787ff")
-        text.append("  ")
-    return text
 
 
 def load_replay(path: str | Path) -> Trace:

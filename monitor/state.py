@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.telemetry_protocol import ProtocolError
+from pagedkv.monitor.delta_events import HANDLERS, DeltaEvents
 
 FREE, USED, SHARED, CACHED = "free", "used", "shared", "cached"
 HISTORY = 120  # points kept for the sparklines
@@ -35,7 +36,7 @@ class RequestInfo:
     finished_generated: int = 0  # tokens of the samples that have finished, summed
 
 
-class MonitorState:
+class MonitorState(DeltaEvents):
     def __init__(self) -> None:
         self.num_blocks = 0
         self.block_size = 0
@@ -202,7 +203,7 @@ class MonitorState:
             self._lose_sync()
             return
         for kind, data in msg["events"]:
-            handler = _HANDLERS.get(kind)
+            handler = HANDLERS.get(kind)
             if handler is None:
                 self.unknown_events[kind] = self.unknown_events.get(kind, 0) + 1
                 continue
@@ -237,7 +238,7 @@ class MonitorState:
             rate = (window[-1][1] - g0) / (t - t0) if t > t0 else 0.0
             self.history["tok_s"].append(max(0.0, rate))
 
-    # --- requests and blocks --------------------------------------------------------------------------
+    # --- requests (the block and request events are in delta_events.py) -------------------------
 
     def _request(self, rid: str) -> RequestInfo:
         req = self.requests.get(rid)
@@ -255,161 +256,3 @@ class MonitorState:
         for rid in finished[: len(finished) - MAX_FINISHED]:
             del self.requests[rid]
             self.dirty_requests.add(rid)
-
-    def _set(self, block: int, refs: int) -> None:
-        if not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block} is out of range 0..{self.num_blocks - 1}")
-        self.refs[block] = refs
-        self.dirty.add(block)
-
-    def _drop_holders(self, block: int) -> None:
-        for rid in self.holders[block]:
-            req = self.requests.get(rid)
-            if req is not None and block in req.blocks:
-                req.blocks.remove(block)
-                self.dirty_requests.add(rid)
-        self.holders[block] = []
-
-    def _hold(self, block: int, owner: Any) -> None:
-        if owner is None:
-            return
-        rid = str(owner)
-        self.holders[block].append(rid)
-        req = self._request(rid)
-        if block not in req.blocks:
-            req.blocks.append(block)
-            self.dirty_requests.add(rid)
-
-    def _ev_alloc(self, d: dict) -> None:
-        b = d["block"]
-        self._set(b, 1)
-        self.kept.discard(b)
-        self._drop_holders(b)
-        self._hold(b, d.get("owner"))
-
-    def _ev_share(self, d: dict) -> None:
-        b = d["block"]
-        self._set(b, int(d["refs"]))
-        self.kept.discard(b)
-        self._hold(b, d.get("owner"))
-
-    def _ev_unshare(self, d: dict) -> None:
-        b = d["block"]
-        self._set(b, int(d["refs"]))
-        owner = d.get("owner")
-        if owner is None:
-            return
-        rid = str(owner)
-        if rid in self.holders[b]:
-            self.holders[b].remove(rid)
-        req = self.requests.get(rid)
-        if req is not None and rid not in self.holders[b] and b in req.blocks:
-            req.blocks.remove(b)
-            self.dirty_requests.add(rid)
-
-    def _ev_keep(self, d: dict) -> None:
-        b = d["block"]
-        self._set(b, 0)
-        self._drop_holders(b)
-        self.kept.add(b)
-
-    def _ev_free(self, d: dict) -> None:
-        b = d["block"]
-        self._set(b, 0)
-        self._drop_holders(b)
-        self.kept.discard(b)
-
-    def _ev_evict(self, d: dict) -> None:
-        self._ev_free(d)
-
-    def _ev_cow(self, d: dict) -> None:
-        src, dst, owner = d["src"], d["dst"], d.get("owner")
-        self.dirty.update((src, dst))
-        req = self.requests.get(str(owner)) if owner is not None else None
-        if req is not None and src in req.blocks and dst not in req.blocks:
-            req.blocks[req.blocks.index(src)] = dst  # keep the logical position
-            self.dirty_requests.add(req.id)
-
-    def _ev_swap_out(self, d: dict) -> None:
-        cpu, owner = d["cpu_block"], d.get("owner")
-        if owner is None:
-            return
-        self.cpu_holders[cpu] = str(owner)
-        self.dirty_cpu.add(cpu)
-        req = self._request(str(owner))
-        req.cpu_blocks.append(cpu)
-        req.state = "swapped"
-        self.dirty_requests.add(req.id)
-
-    def _ev_swap_in(self, d: dict) -> None:
-        cpu, owner = d["cpu_block"], d.get("owner")
-        holder = self.cpu_holders.pop(cpu, None)
-        self.dirty_cpu.add(cpu)
-        req = self.requests.get(str(owner if owner is not None else holder))
-        if req is not None and cpu in req.cpu_blocks:
-            req.cpu_blocks.remove(cpu)
-            self.dirty_requests.add(req.id)
-        if self.refs[d["block"]] == 0:
-            self._ev_alloc({"block": d["block"], "owner": owner if owner is not None else holder})
-
-    def _ev_request_add(self, d: dict) -> None:
-        req = self._request(str(d["request"]))
-        req.state, req.prompt = "waiting", int(d.get("prompt_tokens", 0))
-        req.samples = max(1, int(d.get("n", 1)))
-        self.dirty_requests.add(req.id)
-
-    def _ev_request_schedule(self, d: dict) -> None:
-        req = self._request(str(d["request"]))
-        if req.state != "running":
-            req.state = "running"
-            self.dirty_requests.add(req.id)
-
-    def _ev_request_preempt(self, d: dict) -> None:
-        req = self._request(str(d["request"]))
-        req.state = "waiting"
-        req.preemptions += 1
-        req.computed = 0
-        self.dirty_requests.add(req.id)
-
-    def _ev_request_finish(self, d: dict) -> None:
-        req = self._request(str(d["request"]))
-        req.samples -= 1
-        if "generated" in d:  # the final count, the last sampled token included (progress lags it by one)
-            req.finished_generated += int(d["generated"])
-        if req.samples <= 0:
-            req.state, req.finish_reason = "finished", d.get("reason")
-            if "generated" in d:
-                req.generated = req.finished_generated
-        self.dirty_requests.add(req.id)
-
-
-def _ev_request_swap_out(self: MonitorState, d: dict) -> None:
-    req = self._request(str(d["request"]))
-    req.state = "swapped"
-    self.dirty_requests.add(req.id)
-
-
-def _ev_request_swap_in(self: MonitorState, d: dict) -> None:
-    req = self._request(str(d["request"]))
-    req.state = "running"
-    self.dirty_requests.add(req.id)
-
-
-_HANDLERS = {
-    "request_swap_out": _ev_request_swap_out,
-    "request_swap_in": _ev_request_swap_in,
-    "request_fork": lambda self, d: None,
-    "block_alloc": MonitorState._ev_alloc,
-    "block_share": MonitorState._ev_share,
-    "block_unshare": MonitorState._ev_unshare,
-    "block_keep": MonitorState._ev_keep,
-    "block_free": MonitorState._ev_free,
-    "block_evict": MonitorState._ev_evict,
-    "block_cow": MonitorState._ev_cow,
-    "block_swap_out": MonitorState._ev_swap_out,
-    "block_swap_in": MonitorState._ev_swap_in,
-    "request_add": MonitorState._ev_request_add,
-    "request_schedule": MonitorState._ev_request_schedule,
-    "request_preempt": MonitorState._ev_request_preempt,
-    "request_finish": MonitorState._ev_request_finish,
-}

@@ -1,6 +1,6 @@
 """CPU swap: preempted sequences park their KV blocks in CPU memory instead of being recomputed.
 
-This plugin is a :class:`~pagedkv.core.swap_space.SwapSpace` (the protocol says who calls what):
+This plugin is a :class:`~pagedkv.core.kv.swap_space.SwapSpace` (the protocol says who calls what):
 it offers itself through ``pagedkv_swap_space`` when ``EngineConfig.swap_space`` gives it room
 for at least one block, keeps a CPU block pool of the device cache's layout (pinned memory
 on CUDA, allocated only when a real model runner asks for it), and answers
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
 
 
 class CpuSwap:

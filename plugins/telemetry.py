@@ -6,7 +6,7 @@ and/or ``EngineConfig(trace="FILE")``. Each engine gets its own
 ``delta`` line (see :mod:`pagedkv.core.telemetry_protocol`); every
 ``keyframe_steps`` steps or ``keyframe_s`` seconds it adds a ``snapshot``
 read from the engine's real pool and scheduler, the source of truth, through
-their public read-only view (``engine.kv_view()``, :class:`pagedkv.core.kv_view.KVCacheView`).
+their public read-only view (``engine.kv_view()``, :class:`pagedkv.core.kv.kv_view.KVCacheView`).
 
 Options (``EngineConfig.plugin_options["telemetry"]``): ``keyframe_steps`` (50),
 ``keyframe_s`` (1.0), ``heartbeat_s`` (1.0), ``queue_lines`` (1024) and
@@ -224,7 +224,7 @@ class Telemetry:
                 "blocks": list(dict.fromkeys(b for s in seqs for b in s.block_table.blocks)),
                 "cpu_blocks": [b for s in seqs for b in view.cpu_blocks(s)],
                 "preemptions": sum(s.num_preemptions for s in seqs),
-                "samples": len(seqs) + sum(getattr(s, "pending_forks", 0) or 0 for s in seqs),
+                "samples": view.num_samples(seqs),
             })
         return message(
             "snapshot", self.seq, self._now(now), step=self.step, num_blocks=view.num_blocks,

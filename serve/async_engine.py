@@ -19,8 +19,8 @@ from functools import partial
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sequence import RequestOutput
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.sequence import RequestOutput
 
 log = logging.getLogger("pagedkv.serve")
 

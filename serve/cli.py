@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.model_loader import DEFAULT_MODEL
+    from pagedkv.core.model.model_loader import DEFAULT_MODEL
 
     if args.threads is not None:
         import torch

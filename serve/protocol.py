@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
 
 

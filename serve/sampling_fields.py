@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pagedkv.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pagedkv.core.sample.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 class FieldError(ValueError):

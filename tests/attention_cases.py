@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 
 def reference(q, k, v, context_len, scale, window=None, softcap=None):

@@ -111,7 +111,7 @@ def test_chat_line_on_a_model_without_chat_template_is_an_error_line(wide_llama,
 
 
 def _direct(model, tokenizer, prompt, **params):
-    from pagedkv.core.sampling_params import SamplingParams
+    from pagedkv.core.sample.sampling_params import SamplingParams
 
     engine = _engine(model, tokenizer)
     engine.add_request(list(prompt), SamplingParams(**params))

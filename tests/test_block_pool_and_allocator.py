@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.allocator import PagedAllocator, StaticAllocator
-from pagedkv.core.block_pool import BlockPool, OutOfBlocks
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.kv.allocator import PagedAllocator, StaticAllocator
+from pagedkv.core.kv.block_pool import BlockPool, OutOfBlocks
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.sequence import Sequence
 
 
 def seq(n_tokens: int, max_len: int = 1000) -> Sequence:
@@ -90,7 +90,7 @@ def test_static_allocator_reserves_max_len_up_front():
 
 
 def test_block_table_maps_positions_to_slots():
-    from pagedkv.core.block_table import BlockTable
+    from pagedkv.core.kv.block_table import BlockTable
 
     table = BlockTable([7, 2])
     assert table.slot(0, 4) == 28 and table.slot(5, 4) == 9

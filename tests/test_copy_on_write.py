@@ -7,9 +7,9 @@ from plugin_helpers import assert_all_blocks_back, plugin, run
 
 from conftest import random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core.allocator import PagedAllocator
-from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.kv.allocator import PagedAllocator
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.sched.sequence import Sequence
 
 
 def test_forked_samples_equal_independent_seeded_requests(tiny_llama):

@@ -1,4 +1,4 @@
-"""fp32 linears through oneDNN packed weights (pagedkv.core.cpu_linear): right results, used only inside the
+"""fp32 linears through oneDNN packed weights (pagedkv.core.model.cpu_linear): right results, used only inside the
 model runner's forward, never stale, and the module keeps its hooks."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.core import cpu_linear
-from pagedkv.core.cpu_linear import PackedLinear, pack_linears, packed_linears
+from pagedkv.core.model import cpu_linear
+from pagedkv.core.model.cpu_linear import PackedLinear, pack_linears, packed_linears
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN")
 

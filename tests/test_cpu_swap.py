@@ -7,7 +7,7 @@ from plugin_helpers import assert_all_blocks_back, plugin, run
 
 from conftest import hf_greedy, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core.swap_space import SwapSpace
+from pagedkv.core.kv.swap_space import SwapSpace
 
 
 def test_swap_under_pressure_gives_unconstrained_outputs(tiny_llama):
@@ -44,7 +44,7 @@ def test_too_little_swap_space_for_one_block_means_no_swap_space():
 
     shape = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
-    from pagedkv.core.sim.simulated_runner import SimulatedRunner
+    from pagedkv.sim.simulated_runner import SimulatedRunner
 
     config = EngineConfig(device="cpu", block_size=4, num_blocks=8, swap_space=16)
     engine = Engine(config, runner=SimulatedRunner(shape))

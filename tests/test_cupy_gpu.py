@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 pytestmark = [
     pytest.mark.gpu,

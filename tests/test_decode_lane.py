@@ -18,17 +18,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import EngineConfig, SamplingParams
-from pagedkv.core.allocator import PagedAllocator, StaticAllocator
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.scheduler import FCFSScheduler
-from pagedkv.core.sim.lane_run import run_lane
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulate import SimSetup, run_once
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
-from pagedkv.core.sim.step_time_model import StepTimeModel
-from pagedkv.core.sim.tally import RunTally
-from pagedkv.core.sim.workload import builtin_workload
+from pagedkv.core.kv.allocator import PagedAllocator, StaticAllocator
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.sched.scheduler import FCFSScheduler
+from pagedkv.sim.lane_run import run_lane
+from pagedkv.sim.sim_engine import SimEngine
+from pagedkv.sim.simulate import SimSetup, run_once
+from pagedkv.sim.simulated_runner import SimulatedRunner
+from pagedkv.sim.step_time_model import StepTimeModel
+from pagedkv.sim.tally import RunTally
+from pagedkv.sim.workload import builtin_workload
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
@@ -140,7 +140,7 @@ def test_lane_carries_most_decodes_and_cases_cover_preemption(case, monkeypatch)
 @pytest.mark.parametrize("case", ["static baseline", "preempting, small budget", "poisson arrivals, chunked prefill"])
 def test_cases_exercise_quiet_jumps_and_preemption_on_the_lane(case, monkeypatch):
     """The comparisons above must cover the event-driven paths: steps jumped over, and lane steps that preempt."""
-    from pagedkv.core.sim.lane_scheduler import DecodeLaneScheduling
+    from pagedkv.sim.lane_scheduler import DecodeLaneScheduling
 
     counts = {"skipped": 0, "preempting": 0}
     skip, preempting = SimEngine.skip, DecodeLaneScheduling._step_lane_preempting

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core.config import EngineConfig
-from pagedkv.core.detokenizer import IncrementalDetokenizer
 from pagedkv.core.engine import Engine
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.detokenizer import IncrementalDetokenizer
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.testing import byte_level_tokenizer
 from pagedkv.testing import tiny_llama
 

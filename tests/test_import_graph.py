@@ -13,7 +13,10 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins")
+ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins", "pagedkv.serve", "pagedkv.sim")
+# core's rooms, lowest first: each may import itself, the rooms before it and the foundation modules
+ROOMS = ("plugin", "kv", "sample", "sched", "model", "dist")
+FOUNDATION = {f"pagedkv.core.{m}" for m in ("errors", "limits", "events", "stats", "config", "hookspecs")}
 
 
 def package_modules(root: Path) -> dict[str, Path]:
@@ -99,7 +102,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph(ROOT)
-    assert len(graph) > 60 and "pagedkv.cli.main" in graph and "pagedkv.core.sim.simulate" in graph
+    assert len(graph) > 60 and "pagedkv.cli.main" in graph and "pagedkv.sim.simulate" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -109,6 +112,54 @@ def test_core_imports_nothing_above_it():
     reaching = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("pagedkv.core")
                       for t in targets if t.startswith(ABOVE_CORE))
     assert reaching == []
+
+
+def room_of(module: str) -> str | None:
+    """The core room a module lives in (``kv``, ``sched``, ...), ``"foundation"``, ``"top"``, or None outside core."""
+    if module in FOUNDATION:
+        return "foundation"
+    parts = module.split(".")
+    if parts[:2] != ["pagedkv", "core"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ROOMS else "top"
+
+
+def downward_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a core room to a room above it (or from a foundation module to any room)."""
+    rank = {room: i for i, room in enumerate(ROOMS)}
+    bad = []
+    for module, targets in graph.items():
+        src = room_of(module)
+        if src in (None, "top"):
+            continue
+        for target in targets:
+            if not target.startswith("pagedkv.core"):
+                continue
+            dst = room_of(target)
+            allowed = dst == "foundation" or (src != "foundation" and dst in rank and rank[dst] <= rank[src])
+            if not allowed:
+                bad.append(f"{module} ({src}) -> {target} ({dst})")
+    return sorted(bad)
+
+
+def test_core_rooms_import_only_downward():
+    """kv and sample know nothing of sched; sched knows kv and sample; only the top of core knows every room."""
+    graph = import_graph(ROOT)
+    assert {room_of(m) for m in graph} >= {*ROOMS, "foundation", "top"}
+    assert downward_violations(graph) == []
+
+
+def test_an_upward_import_between_rooms_is_found():
+    """The check itself: kv importing sched, or a foundation module importing a room, is reported."""
+    graph = {"pagedkv.core.kv.allocator": {"pagedkv.core.sched.sequence", "pagedkv.core.errors"},
+             "pagedkv.core.errors": {"pagedkv.core.kv.block_pool"},
+             "pagedkv.core.sched.scheduler": {"pagedkv.core.kv.block_pool", "pagedkv.core.engine"},
+             "pagedkv.core.engine": {"pagedkv.core.dist.tp_runner"}}
+    assert downward_violations(graph) == [
+        "pagedkv.core.errors (foundation) -> pagedkv.core.kv.block_pool (kv)",
+        "pagedkv.core.kv.allocator (kv) -> pagedkv.core.sched.sequence (sched)",
+        "pagedkv.core.sched.scheduler (sched) -> pagedkv.core.engine (top)",
+    ]
 
 
 def test_a_cycle_through_a_function_level_import_is_found(tmp_path):

@@ -10,10 +10,10 @@ from pagedkv.core.config import EngineConfig, parse_bytes
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.core.limits import cap, check_host_memory
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
-from pagedkv.core.sim.workload import WorkloadError, builtin_workload, load_jsonl
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.monitor.trace import TraceError, read_trace
+from pagedkv.sim.simulated_runner import SimulatedRunner
+from pagedkv.sim.workload import WorkloadError, builtin_workload, load_jsonl
 
 
 def test_a_billion_samples_is_refused_at_add_request_and_the_engine_goes_on(tiny_llama):
@@ -49,7 +49,7 @@ def test_a_workload_file_with_too_many_requests_names_the_cap(tmp_path, monkeypa
 
 
 def test_a_simulated_pool_above_the_block_cap_is_refused(monkeypatch):
-    from pagedkv.core.sim.model_budget import load_model_config
+    from pagedkv.sim.model_budget import load_model_config
 
     shape = load_model_config(None)
     monkeypatch.setenv("PAGEDKV_MAX_BLOCKS", "1000")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from pagedkv.core.model_loader import conversion_key
+from pagedkv.core.model.model_loader import conversion_key
 
 
 def test_the_same_gguf_at_another_path_reuses_its_conversion(tmp_path):

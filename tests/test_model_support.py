@@ -10,7 +10,7 @@ import torch
 from conftest import VOCAB
 from pagedkv import LLM
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.model_support import (
+from pagedkv.core.model.model_support import (
     LayerAttention,
     UnsupportedModelError,
     check_model_support,

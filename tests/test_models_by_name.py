@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.model_loader import resolve_model_dir
+from pagedkv.core.model.model_loader import resolve_model_dir
 
 
 def _snapshot(cache, repo_id, commit, ref=None):

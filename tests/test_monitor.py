@@ -121,7 +121,7 @@ def test_selecting_a_request_highlights_its_blocks_and_lists_its_table(tmp_path)
 
 
 def test_mapping_stays_readable_past_index_9_and_100():
-    from pagedkv.monitor.app import mapping_text
+    from pagedkv.monitor.panels import mapping_text
     from pagedkv.monitor.state import RequestInfo
 
     req = RequestInfo("7", 0, blocks=list(range(500, 620)))
@@ -130,7 +130,7 @@ def test_mapping_stays_readable_past_index_9_and_100():
 
 
 def test_title_shows_the_model_name_not_its_cache_path():
-    from pagedkv.monitor.app import model_name
+    from pagedkv.monitor.panels import model_name
 
     assert model_name("/root/.cache/pagedkv/models/SmolLM2-135M-Instruct-286ffa1abfe7") == "SmolLM2-135M-Instruct"
     assert model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
@@ -273,7 +273,7 @@ def test_only_dirty_rows_are_redrawn_on_a_16k_block_map(tmp_path):
 def test_live_monitor_of_a_real_engine_ends_with_the_engine_block_map(tiny_llama, tmp_path):
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
-    from pagedkv.core.sampling_params import SamplingParams
+    from pagedkv.core.sample.sampling_params import SamplingParams
     from pagedkv.plugins import telemetry
 
     sock = tmp_path / "engine.sock"

@@ -36,7 +36,7 @@ def test_installed_package_imports_from_outside_the_repo(tmp_path):
 
 def test_core_does_not_import_heavy_frameworks(tmp_path):
     out = run_python(
-        "import sys, pagedkv.core.engine, pagedkv.cli.main, pagedkv.core.plugin_manager as p;"
+        "import sys, pagedkv.core.engine, pagedkv.cli.main, pagedkv.core.plugin.plugin_manager as p;"
         "pm = p.make_plugin_manager(); p.build_registry(pm, 'backend', 'pagedkv_register_backends');"
         "print(sorted(m for m in ('triton', 'cupy', 'textual') if m in sys.modules))",
         cwd=tmp_path,
@@ -46,7 +46,7 @@ def test_core_does_not_import_heavy_frameworks(tmp_path):
 
 def test_builtin_components_come_through_the_entry_point_group(tmp_path):
     out = run_python(
-        "import json, pagedkv.core.plugin_manager as p; pm = p.make_plugin_manager();"
+        "import json, pagedkv.core.plugin.plugin_manager as p; pm = p.make_plugin_manager();"
         "print(json.dumps({k: p.build_registry(pm, k, h).names() for k, h in ["
         "('backend', 'pagedkv_register_backends'), ('allocator', 'pagedkv_register_allocators'),"
         "('scheduler', 'pagedkv_register_schedulers')]}))",

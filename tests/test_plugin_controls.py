@@ -15,13 +15,13 @@ import pytest
 
 from pagedkv.cli import main as cli
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.plugin_manager import build_registry, list_plugins, make_plugin_manager
+from pagedkv.core.plugin.plugin_manager import build_registry, list_plugins, make_plugin_manager
 
 _unique = itertools.count()
 
 GOOD = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.scheduler import FCFSScheduler
+from pagedkv.core.sched.scheduler import FCFSScheduler
 
 @hookimpl
 def pagedkv_register_schedulers(register):

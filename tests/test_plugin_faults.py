@@ -1,7 +1,7 @@
 """Issue 16, item 2: no plugin fault can break the engine.
 
 Pool hooks (a block released / evicted) and start-up hooks (registrars, ``pagedkv_configure``,
-``pagedkv_swap_space``, ``pagedkv_engine_started``) are contained as ``core/plugin_guard.py`` says:
+``pagedkv_swap_space``, ``pagedkv_engine_started``) are contained as ``core/plugin/plugin_guard.py`` says:
 the faulty plugin is disabled with a log line naming it and ``PAGEDKV_DISABLE_PLUGINS``, or, if it was
 asked for, the engine refuses to start with one ConfigError line.
 """
@@ -19,8 +19,8 @@ from pagedkv import EngineConfig, SamplingParams
 from pagedkv.cli import main as cli
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.sim_engine import SimEngine
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.sim.sim_engine import SimEngine
+from pagedkv.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)
@@ -98,7 +98,7 @@ def test_a_persistent_raise_on_eviction_cannot_wedge_the_pool(caplog):
 
 REGISTRAR_RAISES = '''
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.scheduler import FCFSScheduler
+from pagedkv.core.sched.scheduler import FCFSScheduler
 
 @hookimpl
 def pagedkv_register_schedulers(register):

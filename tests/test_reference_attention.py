@@ -10,7 +10,7 @@ from attention_cases import make_case, reference
 
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import copy_blocks, swap_blocks, write_kv
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 
 def check(seq_lens, query_lens, block_size, dtype=torch.float32, tol=2e-5, **kw):

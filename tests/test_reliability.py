@@ -10,7 +10,7 @@ import pytest
 from conftest import drain, hf_greedy, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)

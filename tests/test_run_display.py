@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from pagedkv.cli.run_display import _write_new_text, drive
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.testing import tiny_engine
 
 

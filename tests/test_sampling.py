@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_batch import SamplingBatch
+from pagedkv.core.sample.sampler import Sampler
+from pagedkv.core.sample.sampling_batch import SamplingBatch
 
 
 def make_llm(model, **kw):

@@ -6,8 +6,8 @@ import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_batch import SamplingBatch
+from pagedkv.core.sample.sampler import Sampler
+from pagedkv.core.sample.sampling_batch import SamplingBatch
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, 0.0, -0.5, -3.0])
 

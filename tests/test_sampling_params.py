@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.errors import RequestRejected
-from pagedkv.core.sampling_params import MAX_SEED, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+from pagedkv.core.sample.sampling_params import MAX_SEED, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 
 NAN, INF = float("nan"), float("inf")
 

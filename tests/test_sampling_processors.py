@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from pagedkv import SamplingParams
-from pagedkv.core.logits_processors import (
+from pagedkv.core.sample.logits_processors import (
     add_logit_bias,
     apply_min_p,
     apply_penalties,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pagedkv.core.allocator import PagedAllocator
-from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.scheduler import FCFSScheduler
-from pagedkv.core.sequence import Sequence, SequenceStatus
+from pagedkv.core.kv.allocator import PagedAllocator
+from pagedkv.core.kv.block_pool import BlockPool
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.scheduler import FCFSScheduler
+from pagedkv.core.sched.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=100, block_size=4, max_num_seqs=8, budget=64):

@@ -10,7 +10,7 @@ import openai
 import pytest
 from serve_helpers import MODEL, running_server, tiny_chat_engine
 
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.testing import byte_level_tokenizer
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}

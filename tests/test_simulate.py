@@ -11,11 +11,11 @@ from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.sim.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
-from pagedkv.core.sim.simulate import SimSetup, parse_sweep, run_once, simulate
-from pagedkv.core.sim.step_time_model import StepTimeModel, calibrate_from_trace
-from pagedkv.core.sim.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.sim.model_budget import SimulationError, estimate_params, gpu_kv_budget, load_model_config
+from pagedkv.sim.simulate import SimSetup, parse_sweep, run_once, simulate
+from pagedkv.sim.step_time_model import StepTimeModel, calibrate_from_trace
+from pagedkv.sim.workload import WorkloadError, builtin_workload, load_jsonl, load_trace, load_workload
 
 KINDS = ("block_alloc", "block_free", "block_share", "block_keep", "block_evict", "request_preempt")
 
@@ -273,7 +273,7 @@ def test_static_run_beside_the_paged_one_gives_the_same_report():
 
 
 def test_a_failure_in_the_side_run_is_raised_in_the_parent():
-    from pagedkv.core.sim.side_run import SideRun, can_fork
+    from pagedkv.sim.side_run import SideRun, can_fork
 
     if not can_fork():
         pytest.skip("no fork on this platform")

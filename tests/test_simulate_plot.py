@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from pagedkv.core.sim.plot import blocks_figure, plot_blocks  # noqa: E402
-from pagedkv.core.sim.simulate import SimSetup, simulate  # noqa: E402
-from pagedkv.core.sim.workload import builtin_workload  # noqa: E402
+from pagedkv.sim.plot import blocks_figure, plot_blocks  # noqa: E402
+from pagedkv.sim.simulate import SimSetup, simulate  # noqa: E402
+from pagedkv.sim.workload import builtin_workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pagedkv.core.sim.simulate import SimSetup, run_once
-from pagedkv.core.sim.workload import builtin_workload
 from pagedkv.core.trace import read_trace
+from pagedkv.sim.simulate import SimSetup, run_once
+from pagedkv.sim.workload import builtin_workload
 
 
 def test_trace_times_are_simulated_seconds_from_zero_to_the_end_of_the_run(tmp_path):

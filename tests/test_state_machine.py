@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core.sequence import SequenceStatus
-from pagedkv.core.sim.simulated_runner import SimulatedRunner
+from pagedkv.core.sched.sequence import SequenceStatus
+from pagedkv.sim.simulated_runner import SimulatedRunner
 
 SIM_MODEL = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             hidden_size=64, max_position_embeddings=4096, vocab_size=1000)

@@ -26,13 +26,13 @@ from plugin_helpers import assert_all_blocks_back
 
 from conftest import VOCAB, random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core import sampler as sampler_module
-from pagedkv.core import sequence as sequence_module
 from pagedkv.core import step_sampling as step_sampling_module
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sampler import Sampler
-from pagedkv.core.sampling_batch import SamplingBatch
+from pagedkv.core.sample import sampler as sampler_module
+from pagedkv.core.sample.sampler import Sampler
+from pagedkv.core.sample.sampling_batch import SamplingBatch
+from pagedkv.core.sched import sequence as sequence_module
 from pagedkv.testing import tiny_engine
 
 TARGET_SEED = 4242  # only the target request samples with seeds from here on (sample i: TARGET_SEED + i)

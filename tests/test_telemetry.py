@@ -16,7 +16,7 @@ import pytest
 from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.telemetry_protocol import PROTOCOL_VERSION, ProtocolError, decode
 from pagedkv.core.trace import TraceError, read_trace
 from pagedkv.monitor.client import StreamClient

@@ -20,10 +20,10 @@ import torch
 
 from conftest import VOCAB, hf_greedy, random_prompts
 from pagedkv.core.config import EngineConfig
-from pagedkv.core.distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, TensorParallelError
+from pagedkv.core.dist.distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, TensorParallelError
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.sample.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 SETTINGS = dict(

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from pagedkv.backends.triton.paged_attention import paged_attention, rows_per_program  # noqa: E402
 from pagedkv.backends.triton.split_kv_decode import choose_num_splits, split_kv_decode, split_layout  # noqa: E402
-from pagedkv.core.attention_metadata import AttentionMetadata  # noqa: E402
+from pagedkv.core.kv.attention_metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}

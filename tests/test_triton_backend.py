@@ -20,7 +20,7 @@ from pagedkv.backends.base import AttentionBackend  # noqa: E402
 from pagedkv.backends.torch_ref import TorchBackend  # noqa: E402
 from pagedkv.backends.triton import split_kv_decode as split_module  # noqa: E402
 from pagedkv.backends.triton.backend import INTERPRETER_NOTICE, TritonBackend  # noqa: E402
-from pagedkv.core.attention_metadata import AttentionMetadata  # noqa: E402
+from pagedkv.core.kv.attention_metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU/interpreter set-up")
@@ -169,7 +169,7 @@ def test_fresh_process_on_cpu_gets_the_interpreter_set_by_the_backend() -> None:
         import triton.language
         from pagedkv.backends.torch_ref import TorchBackend
         from pagedkv.backends.triton.backend import TritonBackend
-        from pagedkv.core.attention_metadata import AttentionMetadata
+        from pagedkv.core.kv.attention_metadata import AttentionMetadata
         backend = TritonBackend(types.SimpleNamespace(device="cpu", dtype=torch.float32, block_size=4))
         assert os.environ["TRITON_INTERPRET"] == "1"
         k_cache, v_cache = torch.zeros(4, 4, 1, 16), torch.zeros(4, 4, 1, 16)

@@ -113,7 +113,7 @@ def test_torch_mask_is_transformers_sliding_window_mask(window):
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     from pagedkv.backends.torch_ref.attention import step_mask
-    from pagedkv.core.attention_metadata import AttentionMetadata
+    from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
     hf = sliding_window_causal_mask_function(window)
     # one prefill of 5 tokens after 9 cached ones: query positions 9..13 over keys 0..13

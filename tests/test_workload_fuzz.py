@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.core.sim.workload import WorkloadError, load_jsonl, load_workload
+from pagedkv.sim.workload import WorkloadError, load_jsonl, load_workload
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),

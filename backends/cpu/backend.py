@@ -7,7 +7,7 @@ import torch
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
 from pagedkv.backends.torch_ref import TorchBackend
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Query tokens per work unit in a prefill chunk: with the group's heads, 16 x G query rows

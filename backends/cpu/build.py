@@ -54,7 +54,7 @@ def compiler() -> str | None:
 
 def library_path() -> Path:
     """Where the library for this source, these flags and this CPU lives."""
-    from pagedkv.core.model_loader import cache_dir
+    from pagedkv.core.model.model_loader import cache_dir
 
     key = hashlib.sha256()
     sources = [SOURCE.read_bytes(), *((SOURCE.parent / name).read_bytes() for name in HEADERS)]

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cupy import compile as kc
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 NEEDS_CUDA = "the cupy backend needs a CUDA device; use --backend torch"
 _THREADS = 128

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.backends.torch_ref import attention as _ops
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 
 class TorchBackend:

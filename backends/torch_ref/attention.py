@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedkv.core.attention_metadata import AttentionMetadata, slots_all_valid
+from pagedkv.core.kv.attention_metadata import AttentionMetadata, slots_all_valid
 
 
 def write_kv(

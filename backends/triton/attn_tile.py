@@ -177,3 +177,53 @@ def online_softmax_over_kv(
                 kv_end, offs_n, offs_d, d_mask, BLOCK_SIZE, SOFTCAP, IEEE,
             )
     return acc, m_i, l_i
+
+
+@triton.jit
+def attend_rows(
+    q_ptr,
+    q_rows,  # [BLOCK_M] int64, each row's offset in q: token * stride_qt + head * stride_qh
+    row_mask,  # [BLOCK_M] the real rows (padding rows load 0 and are never stored)
+    stride_qd,
+    qk_scale,
+    cap_log2e,
+    q_pos,
+    window,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    kv_start,
+    kv_end,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """A program's query rows, loaded as fp32, through the online softmax over keys ``[kv_start, kv_end)``.
+
+    Returns ``(acc, m_i, l_i)`` of :func:`online_softmax_over_kv`, started from nothing seen.
+    """
+    offs_d = tl.arange(0, D_PAD).to(tl.int64)
+    mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    return online_softmax_over_kv(
+        q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, window, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET,
+    )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ def make_backend(name: str, device: Any, dtype: Any) -> Any:
 
 def build_case(torch: Any, p: dict[str, Any], device: Any, seed: int = 1234) -> dict[str, Any]:
     """The same data in every worker: a shuffled paged cache and its contiguous copy for the baseline."""
-    from pagedkv.core.attention_metadata import AttentionMetadata
+    from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
     dtype = getattr(torch, p["dtype"])
     b, ctx, h, hkv, d = p["batch"], p["context"], p["heads"], p["kv_heads"], p["head_dim"]

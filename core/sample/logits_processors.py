@@ -1,0 +1,131 @@
+"""Batched logits processors: each changes a whole ``[rows, vocab]`` float32 tensor in a few tensor ops.
+
+Semantics are vLLM's (and, where transformers has the same processor, identical to it): a row's
+parameters arrive as per-row tensors or lists, and a row whose setting is "off" comes out unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from pagedkv.core.sample.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+def _flat_index(per_row: SequenceOf[SequenceOf[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs of every id in ``per_row`` as two int64 tensors."""
+    rows = [r for r, ids in enumerate(per_row) for _ in range(len(ids))]
+    cols = [t for ids in per_row for t in ids]
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+
+
+def ban_tokens(logits: torch.Tensor, banned: SequenceOf[SequenceOf[int]]) -> None:
+    """Row ``r`` can never produce ``banned[r]`` (HF's NoBadWords with one-token words; vLLM's min_tokens)."""
+    if any(banned):
+        logits[_flat_index(banned, logits.device)] = NEG_INF
+
+
+def add_logit_bias(logits: torch.Tensor, biases: SequenceOf[dict[int, float]]) -> None:
+    """Add ``biases[r][token]`` to row ``r``'s logit of ``token`` (OpenAI / vLLM ``logit_bias``)."""
+    if not any(biases):
+        return
+    index = _flat_index([list(b) for b in biases], logits.device)
+    values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype, device=logits.device)
+    logits.index_put_(index, values, accumulate=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SequenceOf[SamplingParams],
+    prompt_ids: SequenceOf[SequenceOf[int]],
+    output_ids: SequenceOf[SequenceOf[int]],
+) -> None:
+    """Repetition penalty over prompt + output tokens (HF: a positive logit is divided by it, a negative one
+    multiplied), then ``logit -= frequency * count + presence * (count > 0)`` over output tokens (OpenAI)."""
+    rows = [r for r, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return
+    device = logits.device
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits[row_index]
+    counts = torch.zeros_like(sub)
+    outputs = [output_ids[r] for r in rows]
+    if any(outputs):
+        index = _flat_index(outputs, device)
+        counts.index_put_(index, torch.ones(index[0].shape[0], dtype=sub.dtype, device=device), accumulate=True)
+    occurred = counts > 0
+    repetition = torch.tensor([params[r].repetition_penalty for r in rows], dtype=sub.dtype, device=device)
+    if bool((repetition != 1.0).any()):
+        seen = occurred.clone()
+        seen[_flat_index([prompt_ids[r] if params[r].repetition_penalty != 1.0 else () for r in rows], device)] = True
+        rep = repetition.unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+    frequency = torch.tensor([params[r].frequency_penalty for r in rows], dtype=sub.dtype, device=device)
+    presence = torch.tensor([params[r].presence_penalty for r in rows], dtype=sub.dtype, device=device)
+    sub = sub - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * occurred.to(sub.dtype)
+    logits[row_index] = sub
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits / t`` per row (every ``t`` > 0); overflow is clamped so a softmax stays defined."""
+    scaled = logits / temperature.unsqueeze(1)
+    big = torch.finfo(scaled.dtype).max
+    return torch.nan_to_num_(scaled, nan=NEG_INF, posinf=big, neginf=NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability (0 = off)."""
+    if not bool((min_p > 0).any()):
+        return
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: SequenceOf[int], top_p: SequenceOf[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties at the k-th kept; 0 = off), then the smallest set of
+    those whose renormalized probability reaches ``top_p`` (1 = off).
+
+    When every row has a small ``top_k`` (the usual 20..100 of a 50k vocabulary), one ``topk`` replaces
+    the full sort and top-p runs on those few columns; otherwise one sort serves the whole batch.
+    """
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    use_k = any(k < vocab for k in ks)
+    use_p = any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    device = logits.device
+    limit = torch.tensor([1.0 - p for p in top_p], dtype=logits.dtype, device=device).unsqueeze(1)
+    kmax = max(ks)
+    if use_k and kmax <= vocab // 8:
+        values, ids = logits.topk(kmax, dim=-1)  # descending
+        kth = values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
+        keep = logits >= kth  # transformers' rule: a tie with the k-th value stays
+        if not use_p:
+            return logits.masked_fill(~keep, NEG_INF)
+        if int(keep.sum(dim=-1).max()) <= kmax:  # no tie reaches past the kmax-th: the kept set is values' prefix
+            ascending = values.masked_fill(values < kth, NEG_INF).flip(1)
+            return _scatter_top_p(torch.full_like(logits, NEG_INF), ids.flip(1), ascending, limit)
+    ascending, order = logits.sort(dim=-1)
+    if use_k:
+        first_kept = torch.tensor([vocab - k for k in ks], device=device)
+        kth = ascending.gather(1, first_kept.unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth, NEG_INF)
+    return _scatter_top_p(torch.empty_like(logits), order, ascending, limit) if use_p else (
+        torch.empty_like(logits).scatter_(1, order, ascending)
+    )
+
+
+def _scatter_top_p(
+    out: torch.Tensor, order: torch.Tensor, ascending: torch.Tensor, limit: torch.Tensor
+) -> torch.Tensor:
+    """Top-p on ascending logits (transformers' rule: drop while the mass up to here is <= 1 - p; 1 - p in
+    double, then float32, as it compares), written back to ``out`` at ``order``."""
+    cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    drop = cumulative <= limit
+    drop[:, -1] = False  # the most likely token always stays
+    return out.scatter_(1, order, ascending.masked_fill(drop, NEG_INF))

@@ -1,0 +1,348 @@
+"""FCFS continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running sequences go first (oldest first): a
+decode costs one token, an unfinished prompt takes the next chunk that fits.
+Waiting sequences are then admitted in arrival order while budget, sequence
+slots and blocks last. When a running sequence needs a block and none is left,
+the newest running sequence is preempted: by default its blocks are freed and
+it goes back to the front of the queue to be recomputed later; a plugin may
+choose to swap it out to CPU memory instead (``pagedkv_choose_preemption``),
+and swapped sequences come back before any new request is admitted.
+
+After the model ran and tokens were sampled, :meth:`FCFSScheduler.update_from_output`
+does the step's bookkeeping (vLLM's name; nano-vllm's ``postprocess``): computed counters,
+full-block reports, new tokens, finishes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+from pagedkv.core.events import EventLog
+from pagedkv.core.kv.swap_space import SwapSpace
+from pagedkv.core.plugin.plugin_guard import PluginFault, call_decision
+from pagedkv.core.sched.sequence import Sequence, SequenceStatus
+from pagedkv.core.sched.stop_check import StopCheck
+
+Sample = tuple[Sequence, int, "dict[int, float] | None"]  # a drawn token and its logprobs (if asked for)
+WATERMARK = 0.01  # share of the pool kept free when admitting new requests
+_run_order = attrgetter("run_order")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    context_len: int  # tokens already cached before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new one is sampled."""
+        return self.context_len + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepUpdate:
+    """What :meth:`FCFSScheduler.update_from_output` did, for the engine's outputs and counters."""
+
+    touched: dict[str, None] = field(default_factory=dict)  # request ids that sampled or finished, in order
+    generated: int = 0  # tokens appended
+    prefill_tokens: int = 0  # prompt tokens computed
+    finished: int = 0
+
+
+@dataclass
+class PreemptionRecord:
+    request_id: str
+    step: int
+    tokens_discarded: int
+
+
+class FCFSScheduler:
+    name = "fcfs"
+
+    def __init__(
+        self, config: Any, allocator: Any, events: EventLog | None = None, hooks: Any = None,
+        swap_space: SwapSpace | None = None,
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.allocator = allocator
+        self.events = events or EventLog()
+        self.hooks = hooks
+        self.swap_space = swap_space  # where "swap" preemptions park their blocks (a plugin's), or None
+        self.watermark_blocks = int(WATERMARK * allocator.pool.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.preemptions: list[PreemptionRecord] = []
+        self.tokens_discarded = 0  # by preemptions by recompute, over the whole run
+        self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
+        self.step_index = 0
+        self.stop_check = StopCheck()  # the engine's (EOS ids, tokenizer for stop strings): see ``connect``
+        self.on_block_full: Callable[..., Any] | None = None  # ``pagedkv_on_block_full`` observers, if any
+        self._run_orders = itertools.count()
+
+    def connect(self, stop_check: StopCheck, on_block_full: Callable[..., Any] | None) -> None:
+        """The engine's end-of-sequence rule and full-block observers, used by :meth:`update_from_output`."""
+        self.stop_check = stop_check
+        self.on_block_full = on_block_full or None
+
+    # --- queue management ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins it (its blocks are already shared)."""
+        self._start_running(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.run_order = next(self._run_orders)  # so the running list is always sorted by run_order
+        self.running.append(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        """O(log n) to find: the running list is sorted by run_order (a linear search is the fallback)."""
+        running = self.running
+        i = bisect_left(running, seq.run_order, key=_run_order)
+        if i < len(running) and running[i] is seq:
+            del running[i]
+        elif seq in running:  # put there by hand, without a run_order
+            running.remove(seq)
+        # else: a preemption victim that a plugin failed, popped already
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues and give back its blocks."""
+        status = seq.status
+        if status is SequenceStatus.RUNNING:
+            self._remove_running(seq)
+        elif status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_space.free(seq)
+        self.allocator.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.events.emit("request_finish", request=seq.request_id, reason=reason, generated=len(seq.output_token_ids))
+
+    # --- the step decision ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        out = self.new_output()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        return self._finish_schedule(out, budget)
+
+    def new_output(self) -> SchedulerOutput:
+        return SchedulerOutput()
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, oldest first, each its next chunk; preempt the newest when blocks run out."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            num_new = min(uncomputed, budget)
+            while not self._allocate(seq, num_new):
+                if seq.is_finished:  # a plugin fault failed it
+                    break
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+                budget -= num_new
+                i += 1
+                continue
+            if seq.is_finished:
+                continue  # it left the running list; the next one moved up to index i
+            break  # the sequence preempted itself: nothing newer is left to run
+        return budget
+
+    def _finish_schedule(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
+        """After the running phase: swapped sequences back, then new ones, then the step's copies."""
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        out.block_copies.extend(self.allocator.take_copies())
+        if self.events.enabled:
+            for item in out.scheduled:
+                self.events.emit("request_schedule", request=item.seq.request_id, tokens=item.num_new_tokens)
+        return out
+
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
+        """``allocator.allocate_slots``, failing just this sequence if a plugin breaks."""
+        try:
+            return self.allocator.allocate_slots(seq, num_new)
+        except PluginFault as fault:
+            self.fail(seq, fault)
+            return False
+
+    def fail(self, seq: Sequence, fault: Exception) -> None:
+        """End one sequence with an error; every other request goes on."""
+        seq.error = str(fault)
+        self.finish(seq, "error")
+        self.failed.append(seq)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped sequences back, oldest first, while their blocks fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_uncomputed, budget)
+            blocks = self.allocator.blocks_to_reserve(seq, seq.num_computed_tokens + num_new)  # static: max_len
+            if blocks > self.allocator.pool.num_available:
+                break
+            self.swapped.popleft()
+            for host_block in self.swap_space.swap_in(seq):
+                block = self.allocator.pool.allocate(seq.request_id)
+                seq.block_table.append(block)
+                out.swap_in.append((host_block, block))
+                self.events.emit("block_swap_in", block=block, cpu_block=host_block, owner=seq.request_id)
+            self.allocator.allocate_slots(seq, num_new)
+            self._start_running(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+            self.events.emit("request_swap_in", request=seq.request_id)
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                self.allocator.match_prefix(seq)
+            except PluginFault as fault:
+                self.fail(seq, fault)
+                continue
+            num_new = min(seq.num_uncomputed, budget)
+            # Keep a few blocks free for the running sequences to grow into (vLLM's watermark): admitting
+            # into the last free blocks only buys a preemption a few steps later.
+            headroom = self.allocator.pool.num_available - self.allocator.num_new_blocks(seq, num_new)
+            crowded = self.running and headroom < self.watermark_blocks
+            if crowded or not self.allocator.allocate_slots(seq, num_new):
+                if seq.num_computed_tokens:  # give back a prefix match it cannot use yet
+                    self.allocator.free(seq)
+                    seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self._start_running(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
+        choice = None
+        try:
+            if self.hooks is not None:
+                choice = call_decision(self.hooks.pagedkv_choose_preemption, seq=seq, scheduler=self)
+        except PluginFault as fault:
+            self.fail(seq, fault)  # frees its blocks just as a preemption would
+            return
+        if choice == "swap" and self.swap_space is not None:
+            host_blocks = self.swap_space.swap_out(seq)
+            if host_blocks is not None:
+                pairs = list(zip(seq.block_table, host_blocks))
+                for block, host_block in pairs:
+                    self.events.emit("block_swap_out", block=block, cpu_block=host_block, owner=seq.request_id)
+                self.allocator.free(seq)
+                out.swap_out.extend(pairs)
+                seq.status = SequenceStatus.SWAPPED
+                seq.num_preemptions += 1
+                self.swapped.append(seq)
+                out.preempted.append(seq)
+                self.events.emit("request_swap_out", request=seq.request_id, blocks=len(pairs))
+                return
+        discarded = seq.num_computed_tokens
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.preemptions.append(PreemptionRecord(seq.request_id, self.step_index, discarded))
+        self.tokens_discarded += discarded
+        self.events.emit("request_preempt", request=seq.request_id, tokens_discarded=discarded)
+
+    # --- after the step: bookkeeping ------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, samples: list[Sample]) -> StepUpdate:
+        """The step ran and ``samples`` (sequence, token, logprobs or None) were drawn: count computed
+        tokens, report full blocks, append the tokens and finish the sequences they end, in scheduled order."""
+        update = StepUpdate()
+        for item in out.scheduled:
+            self._advance(item.seq, item.num_new_tokens, update)
+        for seq, token, logprobs in samples:
+            self._take_token(seq, token, logprobs, update)
+        return update
+
+    def computed_tokens(self) -> int:
+        """Computed tokens over the running sequences (each counted in full)."""
+        return sum(s.num_computed_tokens for s in self.running)
+
+    def _advance(self, seq: Sequence, num_new: int, update: StepUpdate) -> None:
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = after = before + num_new
+        prompt_len = len(seq.prompt_token_ids)
+        if before < prompt_len:
+            update.prefill_tokens += min(after, prompt_len) - before
+        if self.on_block_full is not None:
+            self._report_full_blocks(seq, before)
+
+    def _report_full_blocks(self, seq: Sequence, before: int) -> None:
+        """``pagedkv_on_block_full`` for every block the tokens past ``before`` completed."""
+        bs = self.allocator.block_size
+        for logical in range(before // bs, seq.num_computed_tokens // bs):
+            self.on_block_full(seq=seq, logical_index=logical, block_id=seq.block_table[logical])
+
+    def _take_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, update: StepUpdate) -> None:
+        """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
+        a failure ends its request alone; a row the sampler could not draw never arrives here: the engine
+        fails it after this update, see its ``_draw``)."""
+        seq.append_token(token, logprobs)
+        update.generated += 1
+        self._finish_if_done(seq, token, update)
+
+    def _finish_if_done(self, seq: Sequence, token: int, update: StepUpdate) -> None:
+        """Finish ``seq`` if ``token`` (appended already) ends it; a failing check ends this request alone."""
+        update.touched[seq.request_id] = None
+        try:
+            ended = self.stop_check(seq, token)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on a stop string: not the others' problem
+            seq.pop_token()  # the token was never accepted
+            update.generated -= 1
+            self.fail(seq, RuntimeError(f"the stop check failed: {type(exc).__name__}: {exc}"))
+            return
+        if ended is not None:
+            seq.stop_reason = ended[1]
+            self.finish(seq, ended[0])
+            update.finished += 1

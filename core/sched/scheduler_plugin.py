@@ -1,0 +1,13 @@
+"""Registers the built-in scheduler through the ``pagedkv`` entry-point group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.hookspecs import hookimpl
+from pagedkv.core.sched.scheduler import FCFSScheduler
+
+
+@hookimpl
+def pagedkv_register_schedulers(register: Any) -> None:
+    register("fcfs", FCFSScheduler, "first come, first served continuous batching with chunked prefill")

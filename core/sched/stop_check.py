@@ -1,0 +1,69 @@
+"""When a sampled token ends a sequence: EOS, a stop token id, a stop string, or its length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.core.sample.detokenizer import output_text
+from pagedkv.core.sched.sequence import Sequence
+
+
+class StopCheck:
+    """The engine's end-of-sequence rule, given to the scheduler (which finishes sequences).
+
+    ``eos_token_ids`` come from the model; ``tokenizer`` (optional) is needed for stop strings.
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+
+    def __call__(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        """``(finish_reason, stop_reason)`` if ``token`` (already appended) ends ``seq``, else None.
+
+        A stop string also trims ``seq.output_text`` to the text before it.
+        """
+        p = seq.params
+        result: tuple[str, int | str | None] | None = None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            result = ("stop", None)
+        elif token in p.stop_token_ids:
+            result = ("stop", token)
+        elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
+            result = ("length", None)
+        if p.stop and self.tokenizer is not None:
+            text = output_text(seq, self.tokenizer, final=result is not None)
+            for s in p.stop:
+                cut = text.find(s)
+                if cut >= 0:
+                    seq.output_text = text[:cut]
+                    return ("stop", s)
+        return result
+
+    def ends_by_length_only(self, seq: Sequence) -> bool:
+        """True when no token can end ``seq`` early: its last step is known in advance."""
+        p = seq.params
+        return not (p.stop_token_ids or p.stop or self.eos_token_ids)
+
+    def banned(self, seq: Sequence) -> list[int]:
+        """Token ids ``seq`` may not produce yet (before ``min_tokens``)."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids)
+
+
+def eos_token_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence ids (generation config first, then model config, then tokenizer)."""
+    if model is None:
+        return frozenset()
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+        break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
