@@ -3,9 +3,12 @@
 Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}``. Each output line is ``{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
-crash loses nothing that had finished. A bad line gets an error line of its own; the rest run.
-The penalty, bias and logprob fields are read exactly as ``engine serve`` reads them
-(``serve/sampling_fields.py``), and logprobs come back in the same OpenAI shapes.
+crash loses nothing that had finished. A bad line (bad JSON, invalid UTF-8, a lone surrogate,
+a bad field) gets an error line of its own; the rest run. Every line is read and checked
+before the first request runs. Fields are read as ``engine serve`` reads them: strict types,
+``null`` = not set, unknown fields refused, the same roles, content parts and caps
+(``serve/request_rules.py``, ``serve/sampling_fields.py``), and logprobs come back in the
+same OpenAI shapes.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.serve import request_rules as rules
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
-from pagedkv.serve.sampling_fields import sampling_extras
+from pagedkv.serve.sampling_fields import FieldError, sampling_extras
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -34,6 +38,10 @@ _PARAM_FIELDS = {
 _EXTRA_FIELDS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                  "top_logprobs", "prompt_logprobs"}
 _IGNORED_FIELDS = {"model", "user", "stream", "stream_options", "messages", "prompt"}
+# the types engine serve's request model gives these fields (strict: no "5", true or 5.0 for an integer)
+_INTEGER_FIELDS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens"}
+_NUMBER_FIELDS = {"temperature", "top_p"}
+_BOOLEAN_FIELDS = {"ignore_eos", "stream"}
 
 
 class BatchLineError(PagedKVError):
@@ -49,14 +57,13 @@ class BatchRequest:
     engine_ids: list[str] = field(default_factory=list)
 
 
-def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None) -> BatchRequest:
+def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None
+               ) -> BatchRequest:
     """Check one input line and turn its body into token ids and sampling parameters."""
     try:
-        item = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise BatchLineError(f"not a JSON object: {exc}") from None
-    if not isinstance(item, dict):
-        raise BatchLineError("each line must be a JSON object")
+        item = rules.parse_json_object(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
+    except FieldError as exc:
+        raise BatchLineError(exc.message.replace("the body", "the line")) from None
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(custom_id, str) or not custom_id:
         raise BatchLineError("'custom_id' must be a non-empty string")
@@ -69,13 +76,15 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: i
     unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS)
     if unknown:
         raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
+    _check_types(custom_id, body)
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
     for key, name in _PARAM_FIELDS.items():
         if body.get(key) is not None:
             kwargs[name] = body[key]
-    if isinstance(kwargs.get("stop"), str):
-        kwargs["stop"] = [kwargs["stop"]]
     try:
+        kwargs["stop"] = rules.stop_strings(body.get("stop"))
+        if body.get("logit_bias") is not None and isinstance(body["logit_bias"], dict):
+            rules.count_cap("logit_bias", body["logit_bias"], rules.MAX_LOGIT_BIAS, "entries")
         kwargs.update(sampling_extras(body, url == CHAT_URL, vocab_size))
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
@@ -85,17 +94,44 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: i
     return BatchRequest(custom_id, url, prompts, params)
 
 
+def _check_types(custom_id: str, body: dict) -> None:
+    for key, value in body.items():
+        if value is None:
+            continue
+        if key in _INTEGER_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BatchLineError(f"{custom_id}: {key} must be an integer, got {value!r}")
+        if key in _NUMBER_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise BatchLineError(f"{custom_id}: {key} must be a number, got {value!r}")
+        if key in _BOOLEAN_FIELDS and not isinstance(value, bool):
+            raise BatchLineError(f"{custom_id}: {key} must be true or false, got {value!r}")
+
+
 def _chat_prompt(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
     from pagedkv.core.llm import apply_chat_template
 
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise BatchLineError(f"{custom_id}: 'messages' must be a non-empty list of {{role, content}} strings")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BatchLineError(f"{custom_id}: 'messages' must be a non-empty list of {{role, content}} objects")
+    conversation = []
+    try:
+        rules.count_cap("messages", messages, rules.MAX_MESSAGES, "messages")
+        for index, message in enumerate(messages):
+            unknown = sorted(set(message) - {"role", "content", "name"})
+            if unknown:
+                raise FieldError(f"messages.{index}", f"messages.{index}: unknown field(s) {', '.join(unknown)}")
+            rules.check_role(message.get("role"))
+            if message.get("name") is not None and not isinstance(message["name"], str):
+                raise FieldError("name", "name must be a string")
+            conversation.append({"role": message["role"], "content": rules.content_text(message.get("content"))})
+    except FieldError as exc:
+        raise BatchLineError(f"{custom_id}: messages: {exc.message}") from None
     if getattr(tokenizer, "chat_template", None) is None:
         raise BatchLineError(f"{custom_id}: this model has no chat template; use {COMPLETIONS_URL} with a prompt")
-    return [apply_chat_template(tokenizer, messages)]
+    try:
+        return [apply_chat_template(tokenizer, conversation)]
+    except Exception as exc:  # noqa: BLE001 - a template that raises on these messages: this line only
+        raise BatchLineError(f"{custom_id}: the chat template refused these messages: {type(exc).__name__}: "
+                             f"{str(exc)[:200]}") from None
 
 
 def _completion_prompts(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
@@ -104,6 +140,8 @@ def _completion_prompts(custom_id: str, body: dict, tokenizer: Any) -> list[list
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise BatchLineError(f"{custom_id}: 'prompt' must be a string, a list of strings or a list of token ids")
+    if len(prompt) > rules.MAX_PROMPTS:
+        raise BatchLineError(f"{custom_id}: prompt has {len(prompt)} prompts; at most {rules.MAX_PROMPTS} are allowed")
     prompts = []
     for p in prompt:
         if isinstance(p, str):
@@ -175,8 +213,8 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 def run_batch(
-    engine: Any, lines: Iterable[str], write: Callable[[dict], None], model_name: str, default_max_tokens: int = 256,
-    on_finish: Callable[[], None] | None = None,
+    engine: Any, lines: Iterable[str | bytes], write: Callable[[dict], None], model_name: str,
+    default_max_tokens: int = 256, on_finish: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Run every line through ``engine``, calling ``write`` with each output line as it is ready.
 
@@ -187,13 +225,17 @@ def run_batch(
     pending: dict[str, tuple[BatchRequest, dict[str, Any]]] = {}  # engine request id -> (request, outputs so far)
     ok = bad = 0
     texts = TokenTexts(engine.tokenizer)
-    for number, line in enumerate(lines, 1):
+    checked: list[tuple[int, BatchRequest | BatchLineError, str | bytes]] = []
+    for number, line in enumerate(lines, 1):  # every line is read and checked before any runs
         if not line.strip():
             continue
         try:
-            request = parse_line(line, engine.tokenizer, default_max_tokens, engine.vocab_size)
+            checked.append((number, parse_line(line, engine.tokenizer, default_max_tokens, engine.vocab_size), line))
         except BatchLineError as exc:
-            write(error_line(_custom_id_of(line), f"line {number}: {exc}"))
+            checked.append((number, exc, line))
+    for number, request, line in checked:
+        if isinstance(request, BatchLineError):
+            write(error_line(_custom_id_of(line), f"line {number}: {request}"))
             bad += 1
             continue
         try:
@@ -221,10 +263,10 @@ def run_batch(
     return ok, bad
 
 
-def _custom_id_of(line: str) -> str | None:
+def _custom_id_of(line: str | bytes) -> str | None:
     try:
-        item = json.loads(line)
+        item = json.loads(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
     except (ValueError, RecursionError):
         return None
     value = item.get("custom_id") if isinstance(item, dict) else None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and rules.lone_surrogate_path(value) is None else None

@@ -144,6 +144,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     if (args.input is None) != (args.output is None):
         raise PagedKVError("--input and --output go together (a batch file in, a results file out)")
+    if args.input is not None:
+        from pagedkv.cli.batch_output import check_batch_paths
+
+        check_batch_paths(args.input, args.output)  # before the model loads
     config = EngineConfig(
         model=args.model,
         revision=args.revision,
@@ -230,25 +234,26 @@ def _tty(stream: Any) -> bool:
 
 
 def run_batch_files(engine: Any, args: argparse.Namespace) -> int:
-    """``--input``/``--output``: every result is written (and flushed) as soon as its request finishes."""
-    import os
+    """``--input``/``--output``: every result is written (and flushed) as soon as its request finishes.
 
+    The input is read as bytes, so a line that is not UTF-8 is that line's error, not the run's;
+    the output file is opened at the first result (``cli/batch_output.py``).
+    """
     from pagedkv.cli.batch_file import run_batch
+    from pagedkv.cli.batch_output import LazyOutput, check_batch_paths
 
-    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
-        raise PagedKVError("--output must not be the --input file")
+    check_batch_paths(args.input, args.output)
     try:
-        source = open(args.input, encoding="utf-8")
+        with open(args.input, "rb") as source:
+            lines = source.read().splitlines()
     except OSError as exc:
         raise PagedKVError(f"cannot read --input {args.input}: {exc.strerror}") from None
     started = time.perf_counter()
-    with source, open(args.output, "w", encoding="utf-8") as sink:
-
-        def write(line: dict) -> None:
-            sink.write(json.dumps(line) + "\n")
-            sink.flush()
-
-        ok, bad = run_batch(engine, source, write, args.model or "SmolLM2-135M-Instruct", args.max_tokens)
+    sink = LazyOutput(args.output)
+    try:
+        ok, bad = run_batch(engine, lines, sink.write, args.model or "SmolLM2-135M-Instruct", args.max_tokens)
+    finally:
+        sink.close()
     engine.stats.elapsed = time.perf_counter() - started
     print(f"batch: {ok} succeeded, {bad} failed; results in {args.output}", file=sys.stderr)
     return 0

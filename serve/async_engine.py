@@ -52,7 +52,8 @@ class _Stream:
 class AsyncEngine:
     """Runs ``engine`` on a thread; :meth:`generate` streams one request's outputs to a coroutine.
 
-    ``max_waiting`` bounds the sequences waiting for a first step (queued adds included);
+    ``max_waiting`` bounds the sequences waiting for a first step (queued adds included, each
+    counted with its ``n`` samples, so one ``n=64`` request cannot overfill a queue of 8);
     ``on_step`` is called on the loop thread after every step with the engine (metrics).
     """
 
@@ -113,9 +114,9 @@ class AsyncEngine:
         with self._cv:
             if not self.accepting:
                 raise ShuttingDown("the server is shutting down")
-            if self._pending_adds + self._waiting >= self.max_waiting:
+            if self._pending_adds + self._waiting + params.n > self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
-            self._pending_adds += 1
+            self._pending_adds += params.n
             self._inbox.append(("add", (stream, prompt, params)))
             self._cv.notify()
         handle = RequestHandle(self, stream)
@@ -125,6 +126,11 @@ class AsyncEngine:
             handle.close()  # cancelled while queued: the add may still go through, so abort it too
             raise
         return handle
+
+    def has_room(self, sequences: int) -> bool:
+        """Whether ``sequences`` more would fit in the waiting queue now (a whole request is admitted or not)."""
+        with self._cv:
+            return self._pending_adds + self._waiting + sequences <= self.max_waiting
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -179,7 +185,7 @@ class AsyncEngine:
         for kind, payload in inbox:
             if kind == "add":
                 with self._cv:
-                    self._pending_adds -= 1
+                    self._pending_adds -= payload[2].n
                 self._add(*payload)
             elif kind == "abort":
                 if self._streams.pop(payload, None) is not None:

@@ -8,14 +8,17 @@ SIGINT/SIGTERM: stop accepting (new requests get 503), let in-flight requests ru
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import Any
 
+from pagedkv.serve.request_rules import DEFAULT_MAX_REQUEST_BYTES
+
 log = logging.getLogger("pagedkv.serve")
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     a("--port", type=int, default=8000)
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (or PAGEDKV_API_KEY)")
-    a("--max-waiting", type=int, default=256, help="waiting sequences before new requests get 503 + Retry-After")
+    a("--allow-insecure-host", action="store_true",
+      help="allow a --host other than loopback without an API key (refused otherwise)")
+    a("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the API key; off by default)")
+    a("--max-waiting", type=int, default=256,
+      help="waiting sequences (each request counts its n) before new requests get 503 + Retry-After")
+    a("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
+      help="largest request body, e.g. 4MiB (default); a larger one is refused with 413 while it is read")
+    a("--header-timeout", type=float, default=5.0,
+      help="seconds a connection may take to send a request's headers before it is closed (slowloris)")
+    a("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)")
+    a("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open")
+    a("--limit-concurrency", type=int, default=1024,
+      help="connections + in-flight requests before new requests get 503 (uvicorn's limit)")
     a("--shutdown-timeout", type=float, default=10.0,
       help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort'")
     a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -67,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
+    from pagedkv.serve.serve_checks import check_serve_args
+
+    api_key = check_serve_args(args)  # before the model loads: a bad flag costs a line, not a minute
 
     if args.threads is not None:
         import torch
@@ -85,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL)
     print(engine.capacity_line(), file=sys.stderr, flush=True)
-    server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level,
-                         api_key=args.api_key or os.environ.get("PAGEDKV_API_KEY") or None,
-                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+    server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level, api_key=api_key,
+                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+                         max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                         body_timeout=args.body_timeout, timeout_keep_alive=args.timeout_keep_alive,
+                         limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -102,25 +122,35 @@ def run(args: argparse.Namespace) -> int:
 
 def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "warning", api_key: str | None = None, max_waiting: int = 256,
-                shutdown_timeout: float = 10.0, tokenizer: Any = None) -> Any:
+                shutdown_timeout: float = 10.0, tokenizer: Any = None,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, header_timeout: float = 5.0,
+                body_timeout: float = 30.0, timeout_keep_alive: float = 5.0, limit_concurrency: int | None = 1024,
+                enable_docs: bool = False) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
     from pagedkv.serve.async_engine import AsyncEngine
+    from pagedkv.serve.connection_guard import guarded_protocol
     from pagedkv.serve.metrics import ServerMetrics
     from pagedkv.serve.openai_app import ServerState, build_app
 
+    if api_key is not None and not api_key.strip():
+        raise ValueError("an empty API key would turn authentication off")
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
-    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer)
+    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
+                        max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
-                            access_log=log_level == "debug")
+                            access_log=log_level == "debug", http=guarded_protocol(header_timeout),
+                            timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     return _GracefulServer(config, async_engine, shutdown_timeout)
 
 
 def _server_class() -> type:
     import uvicorn
+
+    logging.getLogger("uvicorn.error").addFilter(_drop_cancelled_requests)
 
     class GracefulServer(uvicorn.Server):
         """uvicorn's server, with a shutdown that drains the engine instead of re-raising the signal."""
@@ -130,15 +160,28 @@ def _server_class() -> type:
             self.async_engine = async_engine
             self.shutdown_timeout = shutdown_timeout
             self._timer: threading.Timer | None = None
+            self._force: threading.Timer | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            from pagedkv.serve.connection_guard import quiet_accept_errors
+
+            quiet_accept_errors(asyncio.get_running_loop())
+            await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises a captured signal after shutting down (a traceback for SIGINT,
             # exit code -15 for SIGTERM); a server stopped by a signal is a clean stop here.
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
+            if self.should_exit:  # a second signal: end every request now, answered ('abort'), then go
                 self.async_engine.abort_all()
+                if self._force is None:
+                    self._force = threading.Timer(_FORCE_AFTER_S, self._force_exit)
+                    self._force.daemon = True
+                    self._force.start()
                 return
             self.begin_shutdown()
+
+        def _force_exit(self) -> None:
+            self.force_exit = True
 
         def begin_shutdown(self) -> None:
             """Stop accepting; in-flight requests go on for ``shutdown_timeout`` s, then end with 'abort'."""
@@ -152,6 +195,15 @@ def _server_class() -> type:
             self.should_exit = True
 
     return GracefulServer
+
+
+_FORCE_AFTER_S = 2.0  # after a second signal: time for aborted requests to send their last bytes
+
+
+def _drop_cancelled_requests(record: logging.LogRecord) -> bool:
+    """A request task cancelled by a forced exit is not an error worth a traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, asyncio.CancelledError)
 
 
 def _GracefulServer(config: Any, async_engine: Any, shutdown_timeout: float) -> Any:  # noqa: N802 - a factory

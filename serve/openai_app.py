@@ -1,8 +1,12 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
 
-Requests are checked and tokenized here, on the asyncio side, with the front end's own
-copy of the tokenizer (a fast tokenizer must not be used from two threads at once);
-the engine thread only sees token ids.
+Work before admission is bounded and kept off the event loop: the API key is checked
+before the body is read, the body is read up to ``max_request_bytes`` (413 beyond), and
+JSON parsing, validation, chat templating and tokenization run on worker threads, after
+a character-count check that refuses a text that cannot fit the context anyway. The
+tokenizer is the front end's own copy (a fast tokenizer must not be used from two threads
+at once), used from one worker thread only; the engine thread only sees token ids. Every
+answer that is not a success is OpenAI's error envelope, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +25,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
+from pagedkv.serve import request_rules as rules
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
@@ -32,6 +41,12 @@ from pagedkv.serve.protocol import (
     validation_error_body,
 )
 from pagedkv.serve.responses import Job, collect, stream_events
+from pagedkv.serve.sampling_fields import FieldError
+
+log = logging.getLogger("pagedkv.serve")
+
+DEFAULT_MAX_REQUEST_BYTES = rules.DEFAULT_MAX_REQUEST_BYTES
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -45,6 +60,9 @@ class ServerState:
     retry_after_s: int = 1
     tokenizer: Any = None
     created: int = 0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    enable_docs: bool = False
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -57,6 +75,14 @@ class ServerState:
         self.vocab_size = core.vocab_size
         self.created = self.created or int(time.time())
         self.token_texts = TokenTexts(self.tokenizer)
+        self.max_prompt_chars = rules.max_prompt_chars(self.max_model_len, self.tokenizer)
+        # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
+        self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -69,8 +95,9 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             state.engine.stop()
+            state.close()
 
-    app = FastAPI(title="pagedkv", lifespan=lifespan)
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pagedkv = state
 
     @app.exception_handler(RequestValidationError)
@@ -79,7 +106,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(InvalidField)
     async def _refused(request: Request, exc: InvalidField) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status)
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"),
+                                       code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> Response:
@@ -99,6 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise InvalidField(None, "a valid API key is required (Authorization: Bearer KEY)", 401,
                                "authentication_error")
 
+    # no route takes a body parameter, so FastAPI reads no body: check_key runs before a byte of it is read
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @v1.get("/models")
@@ -108,37 +144,171 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
-        prompts = [_encode_text(state, p) if isinstance(p, str) else _check_ids(state, p) for p in body.prompts()]
-        explicit = "max_tokens" in body.model_fields_set
-        return await _answer(state, request, body, prompts, "prompt", body.max_tokens, explicit, chat=False)
+    async def completions(request: Request) -> Response:
+        return await _guarded(_completions(state, request))
 
     @v1.post("/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
-        tokenizer = state.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InvalidField("messages", f"model {state.model_name!r} has no chat template, so it cannot answer "
-                               "chat requests; use /v1/completions with a plain prompt")
-        text = tokenizer.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt, tokenize=False
-        )
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        wanted = body.wanted_max_tokens()
-        return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
+    async def chat(request: Request) -> Response:
+        return await _guarded(_chat(state, request))
 
     app.include_router(v1)
+    if state.enable_docs:
+        _add_docs(app, check_key)
     return app
 
 
-def _encode_text(state: ServerState, text: str) -> list[int]:
-    if state.tokenizer is None:
-        raise InvalidField("prompt", "this model has no tokenizer: give the prompt as token ids")
-    return list(state.tokenizer(text)["input_ids"])
+def _add_docs(app: FastAPI, check_key: Any) -> None:
+    """/docs and /openapi.json, behind the API key like /v1 (off unless --enable-docs)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    docs = APIRouter(dependencies=[Depends(check_key)], include_in_schema=False)
+
+    @docs.get("/openapi.json")
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @docs.get("/docs")
+    async def swagger() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedkv")
+
+    app.include_router(docs)
+
+
+def _error(exc: InvalidField) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status)
+
+
+async def _guarded(work: Any) -> Response:
+    """A route's work; a bug in it is one log line and a 500 in the envelope, never a traceback to the client."""
+    try:
+        return await work
+    except InvalidField as exc:
+        return _error(exc)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence for one request
+        log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_server_error", code=500),
+                            status_code=500)
+
+
+async def read_body(state: ServerState, request: Request) -> bytes:
+    """The raw body, at most ``max_request_bytes`` (413 as soon as it is over), within ``body_timeout_s`` (408)."""
+    limit = state.max_request_bytes
+    too_big = InvalidField(None, f"the request body is over this server's limit of {limit:,} bytes "
+                           "(--max-request-bytes)", 413)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidField(None, "the Content-Length header is not a number")
+        if int(declared) > limit:
+            raise too_big
+    chunks: list[bytes] = []
+    size = 0
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), state.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise InvalidField(None, f"the request body did not arrive within {state.body_timeout_s:g} s", 408) from None
+    return b"".join(chunks)
+
+
+def _validate(model: Any, raw: bytes) -> Any:
+    """Parse and validate a body (on a worker thread): the request model, or InvalidField naming the field."""
+    try:
+        data = rules.parse_json_object(raw)
+    except FieldError as exc:
+        raise InvalidField(exc.param or None, exc.message) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = validation_error_body(list(exc.errors(include_url=False)))["error"]
+        raise InvalidField(error["param"], error["message"]) from None
+
+
+async def _body(state: ServerState, request: Request, model: Any) -> Any:
+    raw = await read_body(state, request)
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+    body.refuse_unsupported()
+    return body
+
+
+async def _completions(state: ServerState, request: Request) -> Response:
+    body = await _body(state, request, CompletionRequest)
+    prompts = body.prompts()
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts:
+        _check_chars("prompt", max(map(len, texts)), state)
+        if state.tokenizer is None:
+            raise InvalidField("prompt", "this model has no tokenizer: give the prompt as token ids")
+    for ids in prompts:
+        if not isinstance(ids, str):
+            _check_ids(state, ids)
+    loop = asyncio.get_running_loop()
+    encoded = await loop.run_in_executor(state.tokenize_pool, _encode_all, state.tokenizer, prompts)
+    explicit = "max_tokens" in body.model_fields_set
+    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False)
+
+
+async def _chat(state: ServerState, request: Request) -> Response:
+    body = await _body(state, request, ChatCompletionRequest)
+    tokenizer = state.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidField("messages", f"model {state.model_name!r} has no chat template, so it cannot answer "
+                           "chat requests; use /v1/completions with a plain prompt")
+    conversation = body.conversation()
+    _check_chars("messages", sum(len(m["content"]) for m in conversation), state)
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, tokenizer, conversation,
+                                     body.add_generation_prompt)
+    wanted = body.wanted_max_tokens()
+    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
+
+
+def _check_chars(field: str, chars: int, state: ServerState) -> None:
+    if chars > state.max_prompt_chars:
+        raise InvalidField(field, f"the {field} has {chars:,} characters, more than can fit in this model's "
+                           f"context of {state.max_model_len} tokens")
+
+
+def _encode_all(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (on the tokenizer's thread); text the tokenizer cannot take is a 400."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            try:
+                out.append(list(tokenizer(prompt)["input_ids"]))
+            except Exception as exc:  # noqa: BLE001 - the client's text, not the server, is at fault
+                raise InvalidField("prompt", f"the tokenizer cannot take this prompt: {type(exc).__name__}") from None
+        else:
+            out.append(list(prompt))
+    return out
+
+
+def _encode_chat(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and whatever a template raises
+        raise InvalidField("messages", f"the chat template refused these messages: {type(exc).__name__}: "
+                           f"{str(exc)[:200]}") from None
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception as exc:  # noqa: BLE001
+        raise InvalidField("messages", f"the tokenizer cannot take these messages: {type(exc).__name__}") from None
 
 
 def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
+    if len(ids) >= state.max_model_len:
+        raise InvalidField("prompt", f"the prompt has {len(ids)} tokens; this model's context is "
+                           f"{state.max_model_len} tokens, which leaves no room for an answer")
     if min(ids) < 0 or max(ids) >= state.vocab_size:
         raise InvalidField("prompt", f"prompt token ids must be in 0..{state.vocab_size - 1}")
     return list(ids)
@@ -165,6 +335,12 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
     except RequestRejected as exc:  # the engine's checks start their message with the field's name
         name = str(exc).split(" ", 1)[0]
         raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
+    sequences = len(prompts) * params.n
+    if sequences > state.engine.max_waiting:
+        raise InvalidField("n", f"this request needs {sequences} sequences (n x prompts), more than this server's "
+                           f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
+    if not state.engine.has_room(sequences):
+        return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)
@@ -173,8 +349,7 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
             job.handles.append(await state.engine.add(ids, params, f"{response_id}-{index}"))
     except QueueFull as exc:
         job.close()
-        return JSONResponse(error_body(str(exc), "service_unavailable", code=503), status_code=503,
-                            headers={"Retry-After": str(state.retry_after_s)})
+        return _queue_full(state, str(exc))
     except ShuttingDown as exc:
         job.close()
         return JSONResponse(error_body(str(exc), "service_unavailable", code=503), status_code=503)
@@ -193,6 +368,11 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
     if status is None:
         return Response(status_code=499)
     return JSONResponse(payload, status_code=status)
+
+
+def _queue_full(state: ServerState, message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "service_unavailable", code=503), status_code=503,
+                        headers={"Retry-After": str(state.retry_after_s)})
 
 
 async def _unless_disconnected(request: Request, work: Any) -> tuple[Any, Any]:

@@ -1,8 +1,10 @@
 """OpenAI request bodies (pydantic) and the error bodies the server answers with.
 
 Every field is checked here, so a bad one answers 400 naming it before any work is
-queued. Unknown fields are ignored (as vLLM does); fields OpenAI defines that pagedkv
-cannot honour (echo, suffix, tools, ...) are refused by name rather than ignored. The
+queued. Types are strict (``"5"``, ``true`` and ``5.0`` are not the integer 5; an integer
+is a number), ``null`` means "not set", and an unknown field is refused by name: a
+misspelt ``max_token`` must not silently run with the default length. Fields OpenAI
+defines that pagedkv cannot honour (echo, suffix, tools, ...) are refused by name too. The
 penalty, bias and logprob fields go through ``sampling_fields`` (shared with batch files).
 """
 
@@ -10,20 +12,32 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.serve import request_rules as rules
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """No coercion, unknown fields refused, and a field sent as ``null`` is a field not sent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (sampling, streaming, vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,11 +61,18 @@ class _Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops_are_non_empty(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stops
+    def _stops_are_bounded(cls, value: str | list[str] | None) -> list[str]:
+        try:
+            return rules.stop_strings(value)
+        except FieldError as exc:
+            raise ValueError(exc.message) from None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_is_bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(value) > rules.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(value)} entries; at most {rules.MAX_LOGIT_BIAS} are allowed")
+        return value
 
     def refuse_unsupported(self) -> None:
         """Fields with an OpenAI meaning pagedkv does not implement: a 400 beats a silently different answer."""
@@ -111,30 +132,32 @@ class CompletionRequest(_Common):
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InvalidField("prompt", "prompt must not be empty")
+        if len(prompts) > rules.MAX_PROMPTS:
+            raise InvalidField("prompt", f"prompt has {len(prompts)} prompts; at most {rules.MAX_PROMPTS} are allowed")
         return prompts
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # request_rules.CHAT_ROLES
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        try:
+            rules.content_text(value)
+        except FieldError as exc:
+            raise ValueError(exc.message) from None
+        return value
+
     def text(self) -> str:
-        """The message's text: a string, or the text parts of a content list (other parts are refused)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidField("messages", "only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        """The message's text: a string, or the text parts of a content list."""
+        return rules.content_text(self.content)
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=rules.MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -179,7 +202,9 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # a union type adds its member type names to the location: keep the field path only
     param = ".".join(p for p in loc if not _is_type_name(p)) or None
-    message = first.get("msg", "invalid request")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field: pagedkv does not know it (check its spelling)"
     if param:
         message = f"{param}: {message}"
     return error_body(message, param=param, code=400)

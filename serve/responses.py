@@ -119,24 +119,29 @@ def _error_of(completion: Any) -> str | None:
 
 
 async def collect(job: Job) -> tuple[int, dict[str, Any]]:
-    """The whole answer as one JSON body (status, body); a failed request answers 500 with its error."""
-    finals: dict[int, Any] = {}
+    """The whole answer as one JSON body (status, body); a failed request answers 500 with its error.
+
+    A request the server ends early (the shutdown grace period is over) answers 200 with the
+    text it has so far and finish reason ``abort``, as a stream would.
+    """
+    finals: dict[int, Any] = {}  # prompt index -> its latest (cumulative) output
+    aborted = False
     try:
         async for index, out in _merged(job):
-            if out.finished:
-                finals[index] = out
+            finals[index] = out
     except RequestFailed as exc:
         return 500, error_body(str(exc), "internal_server_error", code=500)
-    except Aborted as exc:
-        return 503, error_body(str(exc), "service_unavailable", code=503)
+    except Aborted:
+        aborted = True
     choices, completion_tokens = [], 0
     for p in sorted(finals):
         for c in finals[p].outputs:
             if (error := _error_of(c)) is not None:
                 return 500, error_body(error, "internal_server_error", code=500)
             completion_tokens += len(c.token_ids)
+            finish = c.finish_reason if c.finish_reason is not None or not aborted else "abort"
             choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": job.logprobs_of(c),
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                      "finish_reason": finish, "stop_reason": c.stop_reason}
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -144,6 +149,13 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
                 if finals[p].prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(finals[p].prompt_logprobs, job.texts)
             choices.append(choice)
+    if aborted:  # choices (or whole prompts) that had produced nothing yet still get their place
+        seen = {ch["index"] for ch in choices}
+        for index in range(len(job.handles) * job.n):
+            if index not in seen:
+                empty = {"message": {"role": "assistant", "content": ""}} if job.chat else {"text": ""}
+                choices.append({"index": index, "logprobs": None, "finish_reason": "abort", "stop_reason": None,
+                                **empty})
     choices.sort(key=lambda ch: ch["index"])
     body = {"id": job.response_id, "object": "chat.completion" if job.chat else "text_completion",
             "created": job.created, "model": job.model, "choices": choices,

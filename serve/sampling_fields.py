@@ -73,7 +73,9 @@ def logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float]:
 def _token_id(key: Any) -> int:
     if isinstance(key, int) and not isinstance(key, bool):
         token = key
-    elif isinstance(key, str) and key.strip().isdecimal():
+    elif isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal():
+        if len(key.strip()) > 18:  # int() of thousands of digits is slow, and no vocabulary is that big
+            raise FieldError("logit_bias", f"logit_bias names token {key.strip()[:20]}..., outside any vocabulary")
         token = int(key.strip())
     else:
         raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")

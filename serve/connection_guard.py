@@ -1,0 +1,92 @@
+"""Connection-level defences uvicorn lacks: a header-read deadline, and one quiet line when accept() runs dry.
+
+uvicorn's h11 protocol arms its keep-alive timer only after a response, and cancels it
+on any byte received, so a connection that sends its headers one byte at a time (a
+slowloris), or nothing at all, is never closed. :func:`guarded_protocol` subclasses it
+with a deadline that runs whenever the connection is waiting for a request's headers
+(from connect, and again after each response): when the headers are not complete in
+time, the connection is closed. The body has its own deadline (``read_body``).
+
+When the process is out of file descriptors, asyncio logs "socket.accept() out of system
+resource" with a traceback on every retry; :func:`quiet_accept_errors` turns that into
+one warning line per ``interval`` seconds and leaves every other loop error to asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("pagedkv.serve")
+
+
+def guarded_protocol(header_timeout: float) -> type:
+    """uvicorn's H11Protocol, closing a connection whose request headers take over ``header_timeout`` s."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _waiting_cycle: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._disarm_if_headers_done()
+
+        def on_response_complete(self) -> None:
+            finished = self.cycle
+            super().on_response_complete()  # may start a pipelined request already (a new cycle)
+            if self.cycle is finished and not self.transport.is_closing():
+                self._arm()  # waiting for the next request's headers (idle: the keep-alive timer is shorter)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._waiting_cycle = self.cycle
+            self._deadline = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _disarm_if_headers_done(self) -> None:
+            if self._deadline is not None and self.cycle is not self._waiting_cycle:
+                self._disarm()  # a new request cycle: its headers are complete
+
+        def _headers_too_slow(self) -> None:
+            self._deadline = None
+            if self.cycle is self._waiting_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, interval: float = 10.0) -> None:
+    """Log 'out of file descriptors' once per ``interval`` s, without a traceback; other errors as asyncio does."""
+    last = [-interval]
+    suppressed = [0]
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if "out of system resource" not in str(context.get("message", "")):
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - last[0] < interval:
+            suppressed[0] += 1
+            return
+        exc = context.get("exception")
+        more = f" ({suppressed[0]} more since the last report)" if suppressed[0] else ""
+        log.warning("cannot accept connections: %s; new connections wait until descriptors free up "
+                    "(raise ulimit -n, or lower --limit-concurrency)%s", exc, more)
+        last[0], suppressed[0] = now, 0
+
+    loop.set_exception_handler(handler)
