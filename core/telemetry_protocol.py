@@ -140,4 +140,6 @@ def decode(line: str | bytes) -> dict[str, Any]:
         raise ProtocolError(f"not valid JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
         raise ProtocolError("the JSON is nested too deeply") from None
+    except ValueError as exc:  # int() refuses a number of more than 4300 digits
+        raise ProtocolError(f"not valid JSON: {str(exc).split(';')[0]}") from None
     return validate(msg)

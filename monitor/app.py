@@ -7,6 +7,8 @@ what the reducer marks dirty.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -74,6 +76,7 @@ class MonitorApp(App):
         self._last_tick = time.monotonic()
         self._timer: Any = None
         self._replay_done = False
+        self.terminated = False  # SIGTERM ended the dashboard
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -115,11 +118,24 @@ class MonitorApp(App):
         if self.on_start is not None:
             self.on_start()
         self._timer = self.set_interval(TICK_S, self.tick)
+        self._exit_on_sigterm()
         self.tick()
 
     def on_print(self, event: events.Print) -> None:
         if self.capture is not None:
             self.capture.append(event.text)
+
+    def _exit_on_sigterm(self) -> None:
+        """SIGTERM closes the dashboard at once (raised in the main thread, the app's loop would swallow it)."""
+
+        def terminate() -> None:
+            self.terminated = True
+            self.exit()
+
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
 
     def on_unmount(self) -> None:
         if self._timer is not None:

@@ -38,7 +38,8 @@ class StreamClient:
 
     ``on_message(msg)`` gets each decoded message; ``on_status(kind, text)`` gets
     ``"connected"``, ``"disconnected"`` (with the reason and the next retry) and
-    ``"error"`` (a line that is not a valid message; the line is skipped).
+    ``"error"`` (a line that is not a valid message: it is skipped and counted in ``skipped``).
+    Nothing a line holds can end the reader thread: it reads until :meth:`stop`.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class StreamClient:
         self.backoff_min, self.backoff_max = backoff
         self.reconnect = reconnect
         self.connections = 0
+        self.skipped = 0  # lines that were not valid messages
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="pagedkv-monitor-client", daemon=True)
@@ -87,7 +89,10 @@ class StreamClient:
                 delay = self.backoff_min
                 self.connections += 1
                 self.on_status("connected", str(self.address))
-                reason = self._read(sock)
+                try:
+                    reason = self._read(sock)
+                except Exception as exc:  # noqa: BLE001 - a bug in a callback: report it, reconnect
+                    reason = f"the monitor failed on a message: {type(exc).__name__}: {exc}"
                 if self._stop.is_set():
                     return
             if not self.reconnect:
@@ -118,7 +123,8 @@ class StreamClient:
                     try:
                         msg = decode(line)
                     except ProtocolError as exc:
-                        self.on_status("error", f"bad line from the engine: {exc}")
+                        self.skipped += 1
+                        self.on_status("error", f"bad line from the engine ({self.skipped} skipped so far): {exc}")
                         continue
                     self.on_message(msg)
             return "stopped"

@@ -28,6 +28,13 @@ def _need_textual() -> None:
         raise MonitorError("the monitor needs Textual: pip install 'pagedkv[monitor]'") from None
 
 
+def _need_terminal() -> None:
+    """The dashboard draws on a terminal; into a pipe or a file it would only write escape codes forever."""
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        raise MonitorError("the monitor is a terminal dashboard, and stdin/stdout is not a terminal; run it in one "
+                           "(for a record of a run, use engine run --trace FILE)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--connect", metavar="ADDR", help="watch a live engine: unix:PATH or tcp:127.0.0.1:PORT")
@@ -52,11 +59,21 @@ def run(args: argparse.Namespace) -> int:
             raise MonitorError(str(exc)) from None
         if not trace.messages:
             raise MonitorError(str(trace.error))
+        _need_terminal()  # after the trace is read: a bad file is reported as such
         app = MonitorApp(trace=trace, speed=args.speed)
     else:
+        _need_terminal()
         app = MonitorApp(connect=args.connect)
     app.run()
-    return 0
+    return _after(app)
+
+
+def _after(app: object) -> int:
+    """The exit status once the dashboard is gone: 143 if SIGTERM closed it (SIGTERM raises again from here)."""
+    from pagedkv.core.interrupts import raise_on_sigterm
+
+    raise_on_sigterm()  # the app's loop took SIGTERM over and, closing, reset it
+    return 143 if getattr(app, "terminated", False) else 0
 
 
 def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Namespace], int]) -> int:
@@ -66,6 +83,7 @@ def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Names
     ``--telemetry`` names one. What the run prints is shown after the dashboard closes.
     """
     _need_textual()
+    _need_terminal()
     from pagedkv.monitor.app import MonitorApp
 
     run_args = copy.copy(args)
@@ -92,7 +110,11 @@ def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Names
     worker = threading.Thread(target=work, name="pagedkv-engine", daemon=True)
     app = MonitorApp(connect=run_args.telemetry, on_start=worker.start, capture=captured)
     app.run()
+    status = _after(app)
     sys.stdout.write("".join(captured))
+    if status:
+        print("engine: terminated (SIGTERM)", file=sys.stderr, flush=True)
+        return status
     if worker.is_alive():
         print("engine: the monitor was closed; the run goes on (Ctrl-C to stop it)", file=sys.stderr, flush=True)
         try:

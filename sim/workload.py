@@ -154,6 +154,8 @@ def load_jsonl(path: str | Path) -> Workload:
             raise WorkloadError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         except RecursionError:
             raise WorkloadError(f"{where}: the JSON is nested too deeply") from None
+        except ValueError as exc:  # a number of more than 4300 digits
+            raise WorkloadError(f"{where}: not valid JSON ({str(exc).split(';')[0]})") from None
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - _KEYS)
