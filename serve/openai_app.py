@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedkv.core.errors import RequestRejected
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.protocol import (
@@ -252,7 +253,8 @@ async def _completions(state: ServerState, request: Request) -> Response:
         if not isinstance(ids, str):
             _check_ids(state, ids)
     loop = asyncio.get_running_loop()
-    encoded = await loop.run_in_executor(state.tokenize_pool, _encode_all, state.tokenizer, prompts)
+    encoded = await loop.run_in_executor(state.tokenize_pool, _encode_all, state.tokenizer, prompts,
+                                         state.max_model_len)
     explicit = "max_tokens" in body.model_fields_set
     return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False)
 
@@ -267,7 +269,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     _check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, tokenizer, conversation,
-                                     body.add_generation_prompt)
+                                     body.add_generation_prompt, state.max_model_len)
     wanted = body.wanted_max_tokens()
     return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
 
@@ -278,31 +280,36 @@ def _check_chars(field: str, chars: int, state: ServerState) -> None:
                            f"context of {state.max_model_len} tokens")
 
 
-def _encode_all(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+def _encode_all(tokenizer: Any, prompts: list[str | list[int]], limit: int) -> list[list[int]]:
     """Token ids of every prompt (on the tokenizer's thread); text the tokenizer cannot take is a 400."""
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            try:
-                out.append(list(tokenizer(prompt)["input_ids"]))
-            except Exception as exc:  # noqa: BLE001 - the client's text, not the server, is at fault
-                raise InvalidField("prompt", f"the tokenizer cannot take this prompt: {type(exc).__name__}") from None
+            out.append(_tokenize("prompt", tokenizer, prompt, limit, True))
         else:
             out.append(list(prompt))
     return out
 
 
-def _encode_chat(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tokens: bool) -> list[int]:
+    try:
+        return tokenize_bounded(tokenizer, text, limit, add_special_tokens)
+    except TooManyTokens as exc:
+        raise InvalidField(field, f"the {field} has at least {exc.tokens} tokens; this model's context is {limit} "
+                           "tokens, which leaves no room for an answer") from None
+    except Exception as exc:  # noqa: BLE001 - the client's text, not the server, is at fault
+        raise InvalidField(field, f"the tokenizer cannot take this {field}: {type(exc).__name__}") from None
+
+
+def _encode_chat(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool,
+                 limit: int) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                              tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and whatever a template raises
         raise InvalidField("messages", f"the chat template refused these messages: {type(exc).__name__}: "
                            f"{str(exc)[:200]}") from None
-    try:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    except Exception as exc:  # noqa: BLE001
-        raise InvalidField("messages", f"the tokenizer cannot take these messages: {type(exc).__name__}") from None
+    return _tokenize("messages", tokenizer, text, limit, False)
 
 
 def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
