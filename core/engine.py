@@ -43,7 +43,7 @@ from pagedkv.core.plugin.plugin_manager import chosen_components, has_impls, mak
 from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
-from pagedkv.core.sched.request_check import check_prompt
+from pagedkv.core.sched.request_check import check_prompt, check_text
 from pagedkv.core.sched.request_groups import RequestGroups
 from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sched.sequence import RequestOutput, Sequence
@@ -148,6 +148,7 @@ class Engine:
         if text is not None:
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs a tokenizer; pass token ids instead")
+            check_text(text, "the prompt")
             ids = list(self.tokenizer(text)["input_ids"])
         check_prompt(ids, self.vocab_size, self.max_model_len, self.num_blocks, self.config.block_size)
         return text, ids

@@ -6,7 +6,9 @@ from typing import Any
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
+from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.request_check import check_text
 from pagedkv.core.sched.sequence import RequestOutput
 
 
@@ -76,7 +78,13 @@ class LLM:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat prompt, ready for the assistant's answer."""
+    """Token ids of a chat prompt, ready for the assistant's answer (RequestRejected for a malformed message)."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestRejected(f"chat message {index} must be a dict with a 'role' string")
+        if not isinstance(message.get("content"), str):
+            raise RequestRejected(f"chat message {index} ({message['role']}) has no 'content' string")
+        check_text(message["content"], f"chat message {index}'s content")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

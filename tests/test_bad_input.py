@@ -132,3 +132,21 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path, monkeypatch):
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ConfigError, match="cannot read .*broken.gguf as a GGUF model"):
         Engine(EngineConfig(device="cpu", model=str(bad)))
+
+
+def test_a_surrogate_prompt_and_a_chat_message_without_content_are_request_rejected():
+    from pagedkv.core.errors import RequestRejected
+    from pagedkv.core.llm import LLM
+    from pagedkv.serve.testing import byte_level_tokenizer
+    from pagedkv.testing import tiny_llama as make_tiny
+
+    tokenizer = byte_level_tokenizer()
+    llm = LLM(hf_model=make_tiny(vocab_size=len(tokenizer)), tokenizer=tokenizer, device="cpu", num_blocks=32,
+              block_size=8)
+    with pytest.raises(RequestRejected, match="surrogate"):
+        llm.generate("hello \ud800")
+    with pytest.raises(RequestRejected, match="content"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(RequestRejected, match="surrogate"):
+        llm.chat([{"role": "user", "content": "\udfff"}])
+    assert llm.engine.pool.num_available == llm.engine.num_blocks

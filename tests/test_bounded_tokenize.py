@@ -1,4 +1,4 @@
-"""Tokenizing in growing prefixes: exact ids for a text that fits, early refusal (bounded work) for one that does not."""
+"""Tokenizing in growing prefixes: exact ids for a text that fits, early refusal (bounded work) for one that cannot."""
 
 from __future__ import annotations
 

@@ -22,3 +22,11 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, num_
                 f"{capacity} ({num_blocks} blocks of {block_size}); give a larger KV budget or a shorter prompt"
             )
         raise RequestRejected(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}")
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise :class:`RequestRejected` for a string that is not text (a lone UTF-16 surrogate cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestRejected(f"{what} is not valid text: a lone surrogate at character {exc.start}") from None
