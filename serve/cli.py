@@ -19,40 +19,38 @@ log = logging.getLogger("pagedkv.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedkv.cli.engine_args import add_engine_arguments
+
     a = parser.add_argument
-    a("--model", default=None,
-      help="local HF model dir, .gguf, or cached hub id org/name (default: SmolLM2-135M-Instruct)")
-    a("--revision", default=None, help="branch, tag or commit of a cached hub model")
-    a("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    a("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    a("--port", type=int, default=8000)
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (or PAGEDKV_API_KEY)")
-    a("--max-waiting", type=int, default=256, help="waiting sequences before new requests get 503 + Retry-After")
+    a("model_tag", nargs="?", default=None, metavar="MODEL",
+      help="the model, as `vllm serve MODEL` takes it (same as --model)%(default).0s")
+    a("--served-model-name", nargs="+", default=None, metavar="NAME",
+      help="the model id(s) clients send; responses carry the first (default: the model's name)%(default).0s")
+    a("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
+    a("--port", type=int, default=8000, help="(default: %(default)s)")
+    a("--api-key", default=None,
+      help="require 'Authorization: Bearer KEY' on /v1 routes (or PAGEDKV_API_KEY) (default: none)%(default).0s")
+    a("--max-waiting", type=int, default=256,
+      help="waiting sequences before new requests get 503 + Retry-After (default: %(default)s)")
     a("--shutdown-timeout", type=float, default=10.0,
-      help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort'")
-    a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
-    a("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
-    a("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
-    a("--block-size", type=int, default=16)
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 512MiB)")
-    budget.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks")
-    budget.add_argument("--gpu-memory-utilization", type=float, default=None, help="CUDA only, e.g. 0.9")
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=128)
-    a("--max-num-batched-tokens", type=int, default=2048)
-    a("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
-    a("--device", default="auto", help="cpu, cuda or auto")
-    a("--seed", type=int, default=0)
-    a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-      help="reuse KV blocks of shared prefixes (on by default, as in vLLM: chats share their system prompt)")
-    a("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
-    a("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
-    a("--telemetry", default=None, metavar="ADDR",
-      help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (engine monitor --connect ADDR)")
-    a("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
+      help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort' "
+      "(default: %(default)s)")
+    a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+      help="uvicorn's log level (default: %(default)s)")
+    a("--generation-config", default="auto", metavar="auto|vllm|DIR",
+      help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json), "
+      "vllm (none: OpenAI's defaults), or a directory with a generation_config.json (default: %(default)s)")
+    a("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+      help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's (default: the "
+      "tokenizer's)%(default).0s")
+    a("--max-logprobs", type=int, default=20,
+      help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for, up to 20 (default: %(default)s)")
+    a("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
+      help="Prometheus metric prefix; vllm gives vLLM's names, so its dashboards work unchanged "
+      "(default: %(default)s)")
+    a("--enable-prompt-tokens-details", action="store_true",
+      help="accepted for vLLM compatibility: usage.prompt_tokens_details.cached_tokens is always reported")
+    add_engine_arguments(parser, prefix_caching=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,30 +62,38 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"engine serve needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
-    from pagedkv.core.config import EngineConfig
+    from pagedkv.cli.engine_args import engine_config, take_positional_model
     from pagedkv.core.engine import Engine
+    from pagedkv.core.errors import ConfigError
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
+    from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
+    from pagedkv.serve.generation_defaults import load_chat_template, sampling_defaults
 
+    take_positional_model(args)
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ConfigError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (pagedkv's cap), got {args.max_logprobs}")
+    template = load_chat_template(args.chat_template) if args.chat_template else None
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
-    config = EngineConfig(
-        model=args.model, revision=args.revision, backend=args.backend,
-        tensor_parallel_size=args.tensor_parallel_size, allocator=args.allocator, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-        device=args.device, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        enable_copy_on_write=args.enable_copy_on_write, swap_space=args.swap_space, telemetry=args.telemetry,
-        trace=args.trace,
-    )
+    config = engine_config(args)
     engine = Engine(config)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL)
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = template
+    defaults = sampling_defaults(args.generation_config, engine.model)
+    if defaults:
+        print(f"engine serve: sampling defaults from the model's generation config: {defaults} "
+              "(--generation-config vllm turns them off)", file=sys.stderr, flush=True)
+    names = args.served_model_name or [
+        os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL]
+    name = names[0]
     print(engine.capacity_line(), file=sys.stderr, flush=True)
     server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level,
                          api_key=args.api_key or os.environ.get("PAGEDKV_API_KEY") or None,
-                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+                         served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
+                         metrics_prefix=args.metrics_prefix)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -102,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
 
 def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "warning", api_key: str | None = None, max_waiting: int = 256,
-                shutdown_timeout: float = 10.0, tokenizer: Any = None) -> Any:
+                shutdown_timeout: float = 10.0, tokenizer: Any = None, served_model_names: list[str] | None = None,
+                sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
+                metrics_prefix: str = "pagedkv") -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -110,9 +118,11 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
     from pagedkv.serve.metrics import ServerMetrics
     from pagedkv.serve.openai_app import ServerState, build_app
 
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, prefix=metrics_prefix)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
-    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer)
+    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
+                        served_model_names=served_model_names, sampling_defaults=sampling_defaults,
+                        max_logprobs=max_logprobs)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug")

@@ -24,6 +24,7 @@ from pagedkv.core.errors import RequestRejected
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
+from pagedkv.serve.prompt_render import chat_ids, decode_ids, encode_text
 from pagedkv.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,11 +33,17 @@ from pagedkv.serve.protocol import (
     validation_error_body,
 )
 from pagedkv.serve.responses import Job, collect, stream_events
+from pagedkv.serve.tokenizer_routes import add_tokenizer_routes
 
 
 @dataclass
 class ServerState:
-    """What the routes need: the async engine, its metrics, names and limits, the front end's tokenizer."""
+    """What the routes need: the async engine, its metrics, names and limits, the front end's tokenizer.
+
+    ``model_name`` is the first of ``served_model_names`` (vLLM's ``--served-model-name a b``: every
+    name is accepted and listed, responses carry the first); ``sampling_defaults`` are the model's
+    generation-config values for fields a request leaves unset; ``max_logprobs`` caps every logprobs field.
+    """
 
     engine: AsyncEngine
     metrics: ServerMetrics
@@ -45,6 +52,9 @@ class ServerState:
     retry_after_s: int = 1
     tokenizer: Any = None
     created: int = 0
+    served_model_names: list[str] | None = None
+    sampling_defaults: dict[str, Any] | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -57,6 +67,9 @@ class ServerState:
         self.vocab_size = core.vocab_size
         self.created = self.created or int(time.time())
         self.token_texts = TokenTexts(self.tokenizer)
+        self.served_model_names = list(self.served_model_names or [self.model_name])
+        self.model_name = self.served_model_names[0]
+        self.uses_priority = bool(getattr(core.scheduler, "uses_priority", False))
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -101,41 +114,44 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedkv",
+                "root": name, "parent": None, "max_model_len": state.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pagedkv",
-                "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in state.served_model_names:
+            raise InvalidField("model", f"the model {model_id!r} does not exist; this server has "
+                               f"{state.served_model_names}", 404, "not_found_error")
+        return card(model_id)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.refuse_unsupported()
-        prompts = [_encode_text(state, p) if isinstance(p, str) else _check_ids(state, p) for p in body.prompts()]
-        explicit = "max_tokens" in body.model_fields_set
-        return await _answer(state, request, body, prompts, "prompt", body.max_tokens, explicit, chat=False)
+        raw = body.prompts()
+        prompts = [encode_text(state, p, body.add_special_tokens) if isinstance(p, str) else _check_ids(state, p)
+                   for p in raw]
+        explicit = body.max_tokens is not None and "max_tokens" in body.model_fields_set
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # null: OpenAI's default, as vLLM
+        echo = [p if isinstance(p, str) else decode_ids(state, p) for p in raw] if body.echo else None
+        return await _answer(state, request, body, prompts, "prompt", max_tokens, explicit, chat=False, echo=echo)
 
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         body.refuse_unsupported()
-        tokenizer = state.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InvalidField("messages", f"model {state.model_name!r} has no chat template, so it cannot answer "
-                               "chat requests; use /v1/completions with a plain prompt")
-        text = tokenizer.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt, tokenize=False
-        )
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = chat_ids(state, body.conversation(), body.template_arguments(), body.add_special_tokens)
         wanted = body.wanted_max_tokens()
-        return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
+        echo = [body.echo_text()] if body.echo else None
+        return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True,
+                             echo=echo)
 
     app.include_router(v1)
+    add_tokenizer_routes(app, state, check_key)
     return app
-
-
-def _encode_text(state: ServerState, text: str) -> list[int]:
-    if state.tokenizer is None:
-        raise InvalidField("prompt", "this model has no tokenizer: give the prompt as token ids")
-    return list(state.tokenizer(text)["input_ids"])
 
 
 def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
@@ -145,15 +161,21 @@ def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
-                  max_tokens: int | None, explicit: bool, chat: bool) -> Response:
-    if body.model not in (None, "", state.model_name):
+                  max_tokens: int | None, explicit: bool, chat: bool, echo: list[str] | None = None) -> Response:
+    if body.model not in (None, "", *state.served_model_names):
         raise InvalidField("model", f"the model {body.model!r} does not exist; this server has "
                            f"{state.model_name!r}", 404, "not_found_error")
+    _check_vllm_limits(state, body)
+    if body.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens (-1: the context)
+        keep = state.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        prompts = [p[-keep:] for p in prompts]
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
         raise InvalidField(prompt_field, f"the prompt has {longest} tokens; this model's context is {limit} "
                            "tokens, which leaves no room for an answer")
+    if max_tokens is None and (state.sampling_defaults or {}).get("max_tokens"):
+        max_tokens = state.sampling_defaults["max_tokens"]  # the generation config's max_new_tokens, as vLLM
     if max_tokens is None or not explicit:
         max_tokens = min(max_tokens or limit, limit - longest)
     elif longest + max_tokens > limit:
@@ -161,16 +183,20 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"max_tokens ({max_tokens}) + the prompt ({longest} tokens) is above this model's "
                            f"context of {limit} tokens")
     try:
-        params = body.sampling_params(max_tokens, state.vocab_size)
+        params = body.sampling_params(max_tokens, state.vocab_size, state.sampling_defaults)
     except RequestRejected as exc:  # the engine's checks start their message with the field's name
         name = str(exc).split(" ", 1)[0]
         raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
-    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
-              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)
+              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
+              echo=echo, prompt_ids=prompts if body.return_token_ids else None,
+              continuous_usage=body.continuous_usage)
+    options = body.engine_options()
+    engine_prefix = f"{response_id}-{uuid.uuid4().hex[:8]}" if body.request_id else response_id
     try:
         for index, ids in enumerate(prompts):
-            job.handles.append(await state.engine.add(ids, params, f"{response_id}-{index}"))
+            job.handles.append(await state.engine.add(ids, params, f"{engine_prefix}-{index}", **options))
     except QueueFull as exc:
         job.close()
         return JSONResponse(error_body(str(exc), "service_unavailable", code=503), status_code=503,
@@ -193,6 +219,17 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
     if status is None:
         return Response(status_code=499)
     return JSONResponse(payload, status_code=status)
+
+
+def _check_vllm_limits(state: ServerState, body: Any) -> None:
+    """Server-wide limits on vLLM's fields: ``--max-logprobs``, and priority only under the priority policy."""
+    if body.priority and not state.uses_priority:
+        raise InvalidField("priority", f"priority {body.priority} needs priority scheduling; start the server with "
+                           "--scheduling-policy priority")
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > state.max_logprobs:
+            raise InvalidField(name, f"{name} ({value}) is above this server's --max-logprobs ({state.max_logprobs})")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> tuple[Any, Any]:
