@@ -40,8 +40,9 @@ from pagedkv.core.plugin.plugin_guard import (
     startup_fault,
 )
 from pagedkv.core.plugin.plugin_manager import chosen_components, has_impls, make_plugin_manager
-from pagedkv.core.prompt_inputs import bad_word_ids, prompt_of
+from pagedkv.core.prompt_inputs import prompt_of
 from pagedkv.core.runner import Runner, make_runner
+from pagedkv.core.sample.bad_words import bad_word_ids
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.request_check import check_prompt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.core.prompt_inputs import bad_word_bans
+from pagedkv.core.sample.bad_words import bad_word_bans
 from pagedkv.core.sample.detokenizer import output_text
 from pagedkv.core.sched.sequence import Sequence
 
