@@ -26,52 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run a workload (the built-in chat demo by default) and print a summary",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    run.add_argument("--model", default=None,
-                     help="local HF model dir, .gguf, or cached hub id org/name "
-                     "(default: the bundled SmolLM2-135M-Instruct)%(default).0s")
-    run.add_argument("--revision", default=None, help="branch, tag or commit of a cached hub model")
-    run.add_argument("--backend", default="auto",
-                     help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
-    run.add_argument("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
-    run.add_argument("--block-size", type=int, default=16)
-    budget = run.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 512MiB)")
-    budget.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks")
-    budget.add_argument("--gpu-memory-utilization", type=float, default=None, help="CUDA only, e.g. 0.9")
-    run.add_argument("--max-model-len", type=int, default=None)
-    run.add_argument("--max-num-seqs", type=int, default=128)
-    run.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    run.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
-    run.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
-    run.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
+    from pagedkv.cli.engine_args import add_engine_arguments
+
+    add_engine_arguments(run, prefix_caching=False)
     run.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable); default: demo")
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap prompts in the model's chat template (default: when the tokenizer has one)")
-    run.add_argument("--max-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most per sample")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
     run.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     run.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt + output tokens; 1 = off")
     run.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, over output tokens")
     run.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, over output tokens")
     run.add_argument("--logprobs", type=int, default=None, metavar="K",
                      help="report each generated token's logprob and the top K (--json shows them)")
-    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     run.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
-    run.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
-    run.add_argument("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
-    run.add_argument("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
     run.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     run.add_argument("--input", default=None, metavar="FILE",
                      help="a batch file in the OpenAI batch format (JSONL: custom_id, method, url, body)")
     run.add_argument("--output", default=None, metavar="FILE", help="where --input's results go (JSONL)")
-    run.add_argument("--telemetry", default=None, metavar="ADDR",
-                     help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (loopback only)")
-    run.add_argument("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
     run.add_argument("--monitor", action="store_true", help="watch the run in the live block-map dashboard")
     monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -85,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.cli.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from pagedkv.serve.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
@@ -127,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from pagedkv.cli.demo import DEMO_PROMPTS
+    from pagedkv.cli.engine_args import engine_config
     from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
     from pagedkv.cli.run_checks import check_run_args
-    from pagedkv.core.config import EngineConfig
     from pagedkv.core.engine import Engine
     from pagedkv.core.sample.sampling_params import SamplingParams
 
@@ -148,28 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from pagedkv.cli.batch_output import check_batch_paths
 
         check_batch_paths(args.input, args.output)  # before the model loads
-    config = EngineConfig(
-        model=args.model,
-        revision=args.revision,
-        backend=args.backend,
-        allocator=args.allocator,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_blocks=args.num_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_copy_on_write=args.enable_copy_on_write,
-        swap_space=args.swap_space,
-        telemetry=getattr(args, "telemetry", None),
-        trace=getattr(args, "trace", None),
-    )
+    config = engine_config(args)
     params = SamplingParams(  # before the model loads: a bad value costs nothing
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -218,6 +174,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         {"prompt": ids[rid], "completion": results[rid].text, "finish_reason": results[rid].outputs[0].finish_reason}
         for rid in ids if rid in results
     ]
+    if args.n > 1:  # every sample, not only the first (the first stays in "completion")
+        for item, rid in zip(completions, [rid for rid in ids if rid in results]):
+            item["samples"] = [{"index": c.index, "completion": c.text, "finish_reason": c.finish_reason}
+                               for c in results[rid].outputs]
     if args.logprobs is not None:  # per generated token {token id: logprob}, the sampled token first
         for item, rid in zip(completions, [rid for rid in ids if rid in results]):
             first = results[rid].outputs[0]
@@ -279,7 +239,13 @@ def print_report(completions: list[dict], summary: dict) -> None:
     console = Console()
     for item in completions:
         console.print(f"[bold cyan]>>> {item['prompt']}[/]")
-        console.print(item["completion"], markup=False, highlight=False)
+        if "samples" in item:
+            for sample in item["samples"]:
+                console.print(f"[dim]--- sample {sample['index'] + 1} of {len(item['samples'])} "
+                              f"({sample['finish_reason']})[/]")
+                console.print(sample["completion"], markup=False, highlight=False)
+        else:
+            console.print(item["completion"], markup=False, highlight=False)
         if item.get("cumulative_logprob") is not None:
             console.print(f"[dim]cumulative logprob {item['cumulative_logprob']:.3f}[/]")
         console.print()

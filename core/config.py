@@ -21,7 +21,11 @@ _DTYPES = {
 }
 
 
-def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+def parse_dtype(value: str | torch.dtype) -> torch.dtype | str:
+    """A torch dtype from its name; ``"auto"`` stays ``"auto"`` (the engine takes the checkpoint's, see
+    :func:`resolve_auto_dtype`)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     if isinstance(value, torch.dtype):
         if value not in _DTYPES.values():
             raise ConfigError(f"dtype {value} is not supported; use float32, bfloat16 or float16")
@@ -29,7 +33,18 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[str(value).lower()]
     except KeyError:
-        raise ConfigError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16") from None
+        raise ConfigError(f"unknown dtype {value!r}; use one of auto, float32, bfloat16, float16") from None
+
+
+def resolve_auto_dtype(checkpoint: torch.dtype | str | None, device: str) -> torch.dtype:
+    """``dtype="auto"``: the checkpoint's dtype (float32 when it names none); float16 becomes bfloat16 on CPU."""
+    if isinstance(checkpoint, str):
+        checkpoint = getattr(torch, checkpoint, None)
+    if not isinstance(checkpoint, torch.dtype) or checkpoint not in _DTYPES.values():
+        return torch.float32
+    if checkpoint == torch.float16 and str(device).startswith("cpu"):
+        return torch.bfloat16
+    return checkpoint
 
 
 def parse_bytes(value: int | str) -> int:
@@ -79,7 +94,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None  # None: the model's (capped by the cache); "auto": what the cache holds
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     dtype: str | torch.dtype = "float32"
@@ -101,7 +116,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
         self.dtype = parse_dtype(self.dtype)
-        if self.dtype == torch.float16 and self.device == "cpu":
+        if self.dtype == torch.float16 and str(self.device).startswith("cpu"):
             raise ConfigError("float16 runs only on CUDA (CPU has no fast fp16 path); use float32 or bfloat16")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
             raise ConfigError(f"block_size must be an integer in 1..256, got {self.block_size!r}")
@@ -119,8 +134,10 @@ class EngineConfig:
                 raise ConfigError("gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory")
             if not 0.0 < self.gpu_memory_utilization <= 1.0:
                 raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError("max_model_len must be at least 1")
+        if self.max_model_len in ("auto", -1):
+            self.max_model_len = "auto"
+        elif self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer or 'auto', got {self.max_model_len!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

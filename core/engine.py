@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.config import EngineConfig
+from pagedkv.core.config import EngineConfig, resolve_auto_dtype
 from pagedkv.core.engine_checks import size_kv_cache, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
@@ -40,7 +40,9 @@ from pagedkv.core.plugin.plugin_guard import (
     startup_fault,
 )
 from pagedkv.core.plugin.plugin_manager import chosen_components, has_impls, make_plugin_manager
+from pagedkv.core.prompt_inputs import prompt_of
 from pagedkv.core.runner import Runner, make_runner
+from pagedkv.core.sample.bad_words import bad_word_ids
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.request_check import check_prompt, check_text
@@ -50,6 +52,18 @@ from pagedkv.core.sched.sequence import RequestOutput, Sequence
 from pagedkv.core.sched.stop_check import StopCheck, eos_token_ids_of
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.step_sampling import StepSampling, sampling_rows
+
+
+def _auto_dtype(config: EngineConfig, model: Any, runner: Any) -> torch.dtype:
+    if model is not None:
+        checkpoint = getattr(model, "dtype", None)
+    elif runner is not None:
+        checkpoint = getattr(runner.model_config, "torch_dtype", None)
+    else:
+        from pagedkv.core.model.model_loader import checkpoint_dtype
+
+        checkpoint = checkpoint_dtype(config.model, config.revision)
+    return resolve_auto_dtype(checkpoint, config.device)
 
 
 class Engine:
@@ -71,6 +85,8 @@ class Engine:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
+        if config.dtype == "auto":  # the checkpoint's (vLLM's default), before anything is sized or loaded
+            config.dtype = _auto_dtype(config, model, runner)
         self.pm = make_plugin_manager(plugins)
         configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
         backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
@@ -101,6 +117,7 @@ class Engine:
         self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
         self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
         self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
+        self.scheduler.on_step_peak = self._observe_peak
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         if runner is None:
             runner = make_runner(config, model, self.backend, self.spec, self.num_blocks, self.swap_space, from_config)
@@ -142,14 +159,24 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt; raises :class:`RequestRejected` if it can never run here."""
+    def encode_prompt(self, prompt: str | list[int] | dict,
+                      truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; raises :class:`RequestRejected` if it can never run here.
+
+        ``prompt`` is text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``;
+        ``truncate`` keeps only the last ``truncate`` tokens (-1: the model's length), as vLLM's
+        ``truncate_prompt_tokens``.
+        """
+        prompt = prompt_of(prompt)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         if text is not None:
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs a tokenizer; pass token ids instead")
             check_text(text, "the prompt")
             ids = list(self.tokenizer(text)["input_ids"])
+        if truncate is not None:
+            keep = self.max_model_len if truncate == -1 else truncate
+            ids = ids[-keep:]
         check_prompt(ids, self.vocab_size, self.max_model_len, self.num_blocks, self.config.block_size)
         return text, ids
 
@@ -159,12 +186,24 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run."""
+        """Queue a request; raises :class:`RequestRejected` (and changes nothing) if it can never run.
+
+        ``priority`` (lower runs first, as vLLM) needs a scheduler that honours it (``scheduler="priority"``);
+        any other scheduler refuses a non-zero one rather than ignore it.
+        """
         # a re-checked private copy: the caller's later edits to ``params`` cannot reach a step
         params = params.checked_copy() if params is not None else SamplingParams()
-        text, token_ids = self.encode_prompt(prompt)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}")
+        if priority and not getattr(self.scheduler, "uses_priority", False):
+            raise RequestRejected(f"priority {priority} needs priority scheduling (scheduler 'priority', "
+                                  f"--scheduling-policy priority); this engine runs {self.config.scheduler!r}")
+        text, token_ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         params.check_vocab(self.vocab_size)
+        if params.bad_words:
+            params.bad_words_token_ids = [*params.bad_words_token_ids, *bad_word_ids(self.tokenizer, params.bad_words)]
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -176,6 +215,7 @@ class Engine:
         seqs = self.requests.add(request_id, token_ids, params, first_key, fork=fork, prompt=text,
                                  cache_salt=cache_salt)
         for seq in seqs:
+            seq.priority = priority
             self.scheduler.add(seq)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(token_ids) * params.n
@@ -250,6 +290,12 @@ class Engine:
             events = self.events.drain()
             if self._step_observers:
                 self._step_observers(events=events)
+
+    def _observe_peak(self) -> None:
+        """KV memory at the step's peak (before finished requests free their blocks): the summary's peak."""
+        used = self.pool.num_used
+        if used >= self.stats.peak_blocks_used:
+            self.stats.observe_memory(used, self.tokens_held(), self.config.block_size, len(self.scheduler.running))
 
     def plugin_stats(self) -> dict[str, Any]:
         """Every plugin's counters (``pagedkv_report_stats``), merged."""

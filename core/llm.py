@@ -7,6 +7,7 @@ from typing import Any
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import RequestRejected
+from pagedkv.core.prompt_inputs import is_single_prompt
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.request_check import check_text
 from pagedkv.core.sched.sequence import RequestOutput
@@ -37,16 +38,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
+        A prompt is text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
         Every prompt is checked before any runs, so a bad one raises
         :class:`~pagedkv.core.errors.RequestRejected` without doing work.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -54,7 +56,7 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         engine = self.engine
         for prompt, sp in zip(prompts, params_list):  # every request checked before any runs
-            engine.encode_prompt(prompt)
+            engine.encode_prompt(prompt, sp.truncate_prompt_tokens)
             sp.checked_copy().check_vocab(engine.vocab_size)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}

@@ -82,7 +82,8 @@ class StepSampling:
         banned = []
         for seq in seqs:
             try:
-                banned.append(self.stop_check.banned(seq) if seq.params.min_tokens else ())
+                p = seq.params
+                banned.append(self.stop_check.banned(seq) if p.min_tokens or p.bad_words_token_ids else ())
             except Exception as exc:  # noqa: BLE001 - this row fails below, alone
                 banned.append(())
                 self._fault(seq, "sampling", exc)

@@ -101,8 +101,11 @@ class AsyncEngine:
 
     # --- the asyncio side ---------------------------------------------------------------------------
 
-    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestHandle:
+    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                  **options: Any) -> RequestHandle:
         """Queue a request; return once the engine has taken it (by the next step).
+
+        ``options`` go to ``Engine.add_request`` as they are (``cache_salt``, ``priority``).
 
         Raises :class:`QueueFull` or :class:`ShuttingDown` at once, ``RequestRejected`` if the engine
         refuses it. Iterate the handle for its outputs; :meth:`RequestHandle.close` (always call it,
@@ -117,7 +120,7 @@ class AsyncEngine:
             if self._pending_adds + self._waiting + params.n > self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
             self._pending_adds += params.n
-            self._inbox.append(("add", (stream, prompt, params)))
+            self._inbox.append(("add", (stream, prompt, params, options)))
             self._cv.notify()
         handle = RequestHandle(self, stream)
         try:
@@ -196,9 +199,9 @@ class AsyncEngine:
         with self._cv:
             self._waiting = len(self.engine.scheduler.waiting)
 
-    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams) -> None:
+    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id=stream.request_id)
+            self.engine.add_request(prompt, params, request_id=stream.request_id, **options)
         except Exception as exc:  # noqa: BLE001 - RequestRejected, or a tokenizer failure: this request only
             error = exc if isinstance(exc, RequestRejected) else RequestRejected(f"{type(exc).__name__}: {exc}")
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, error)

@@ -22,52 +22,53 @@ log = logging.getLogger("pagedkv.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedkv.cli.engine_args import add_engine_arguments
+
     a = parser.add_argument
-    a("--model", default=None,
-      help="local HF model dir, .gguf, or cached hub id org/name (default: SmolLM2-135M-Instruct)")
-    a("--revision", default=None, help="branch, tag or commit of a cached hub model")
-    a("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    a("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    a("--port", type=int, default=8000)
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (or PAGEDKV_API_KEY)")
+    a("model_tag", nargs="?", default=None, metavar="MODEL",
+      help="the model, as `vllm serve MODEL` takes it (same as --model)%(default).0s")
+    a("--served-model-name", nargs="+", default=None, metavar="NAME",
+      help="the model id(s) clients send; responses carry the first (default: the model's name)%(default).0s")
+    a("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
+    a("--port", type=int, default=8000, help="(default: %(default)s)")
+    a("--api-key", default=None,
+      help="require 'Authorization: Bearer KEY' on /v1 routes (or PAGEDKV_API_KEY) (default: none)%(default).0s")
     a("--allow-insecure-host", action="store_true",
       help="allow a --host other than loopback without an API key (refused otherwise)")
     a("--enable-docs", action="store_true", help="serve /docs and /openapi.json (behind the API key; off by default)")
     a("--max-waiting", type=int, default=256,
-      help="waiting sequences (each request counts its n) before new requests get 503 + Retry-After")
+      help="waiting sequences (each request counts its n) before new requests get 503 + Retry-After "
+      "(default: %(default)s)")
     a("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
-      help="largest request body, e.g. 4MiB (default); a larger one is refused with 413 while it is read")
+      help="largest request body, e.g. 4MiB; a larger one is refused with 413 while it is read (default: %(default)s)")
     a("--header-timeout", type=float, default=5.0,
-      help="seconds a connection may take to send a request's headers before it is closed (slowloris)")
-    a("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 after)")
-    a("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open")
+      help="seconds a connection may take to send a request's headers before it is closed (slowloris) "
+      "(default: %(default)s)")
+    a("--body-timeout", type=float, default=30.0,
+      help="seconds a request body may take to arrive (408 after) (default: %(default)s)")
+    a("--timeout-keep-alive", type=float, default=5.0,
+      help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     a("--limit-concurrency", type=int, default=1024,
-      help="connections + in-flight requests before new requests get 503 (uvicorn's limit)")
+      help="connections + in-flight requests before new requests get 503 (uvicorn's limit) (default: %(default)s)")
     a("--shutdown-timeout", type=float, default=10.0,
-      help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort'")
-    a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy")
-    a("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
-    a("--allocator", default="paged", help="block allocator: paged, or static (baseline)")
-    a("--block-size", type=int, default=16)
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes (e.g. 512MiB)")
-    budget.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks")
-    budget.add_argument("--gpu-memory-utilization", type=float, default=None, help="CUDA only, e.g. 0.9")
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=128)
-    a("--max-num-batched-tokens", type=int, default=2048)
-    a("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
-    a("--device", default="auto", help="cpu, cuda or auto")
-    a("--seed", type=int, default=0)
-    a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-      help="reuse KV blocks of shared prefixes (on by default, as in vLLM: chats share their system prompt)")
-    a("--enable-copy-on-write", action="store_true", help="n > 1 samples share prompt blocks")
-    a("--swap-space", default=None, help="CPU swap space for preempted requests, e.g. 4GiB")
-    a("--telemetry", default=None, metavar="ADDR",
-      help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (engine monitor --connect ADDR)")
-    a("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
+      help="seconds in-flight requests may go on after SIGINT/SIGTERM before they end with finish reason 'abort' "
+      "(default: %(default)s)")
+    a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+      help="uvicorn's log level (default: %(default)s)")
+    a("--generation-config", default="auto", metavar="auto|vllm|DIR",
+      help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json), "
+      "vllm (none: OpenAI's defaults), or a directory with a generation_config.json (default: %(default)s)")
+    a("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+      help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's (default: the "
+      "tokenizer's)%(default).0s")
+    a("--max-logprobs", type=int, default=20,
+      help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for, up to 20 (default: %(default)s)")
+    a("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
+      help="Prometheus metric prefix; vllm gives vLLM's names, so its dashboards work unchanged "
+      "(default: %(default)s)")
+    a("--enable-prompt-tokens-details", action="store_true",
+      help="accepted for vLLM compatibility: usage.prompt_tokens_details.cached_tokens is always reported")
+    add_engine_arguments(parser, prefix_caching=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,35 +80,44 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"engine serve needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
-    from pagedkv.core.config import EngineConfig
+    from pagedkv.cli.engine_args import engine_config, take_positional_model
     from pagedkv.core.engine import Engine
+    from pagedkv.core.errors import ConfigError
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
+    from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
+    from pagedkv.serve.generation_defaults import load_chat_template, sampling_defaults
     from pagedkv.serve.serve_checks import check_serve_args
 
+    take_positional_model(args)
     api_key = check_serve_args(args)  # before the model loads: a bad flag costs a line, not a minute
 
+    take_positional_model(args)
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ConfigError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (pagedkv's cap), got {args.max_logprobs}")
+    template = load_chat_template(args.chat_template) if args.chat_template else None
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
-    config = EngineConfig(
-        model=args.model, revision=args.revision, backend=args.backend,
-        tensor_parallel_size=args.tensor_parallel_size, allocator=args.allocator, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-        device=args.device, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        enable_copy_on_write=args.enable_copy_on_write, swap_space=args.swap_space, telemetry=args.telemetry,
-        trace=args.trace,
-    )
+    config = engine_config(args)
     engine = Engine(config)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL)
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = template
+    defaults = sampling_defaults(args.generation_config, engine.model)
+    if defaults:
+        print(f"engine serve: sampling defaults from the model's generation config: {defaults} "
+              "(--generation-config vllm turns them off)", file=sys.stderr, flush=True)
+    names = args.served_model_name or [
+        os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL]
+    name = names[0]
     print(engine.capacity_line(), file=sys.stderr, flush=True)
     server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level, api_key=api_key,
                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
                          max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
                          body_timeout=args.body_timeout, timeout_keep_alive=args.timeout_keep_alive,
-                         limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs)
+                         limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs,
+                         served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
+                         metrics_prefix=args.metrics_prefix)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -125,7 +135,9 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 shutdown_timeout: float = 10.0, tokenizer: Any = None,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, header_timeout: float = 5.0,
                 body_timeout: float = 30.0, timeout_keep_alive: float = 5.0, limit_concurrency: int | None = 1024,
-                enable_docs: bool = False) -> Any:
+                enable_docs: bool = False, served_model_names: list[str] | None = None,
+                sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
+                metrics_prefix: str = "pagedkv") -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -136,10 +148,12 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
 
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off")
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, prefix=metrics_prefix)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
     state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
-                        max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs)
+                        max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
+                        served_model_names=served_model_names, sampling_defaults=sampling_defaults,
+                        max_logprobs=max_logprobs)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug", http=guarded_protocol(header_timeout),

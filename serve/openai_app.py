@@ -34,6 +34,7 @@ from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
+from pagedkv.serve.prompt_render import decode_ids, render_chat
 from pagedkv.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +44,7 @@ from pagedkv.serve.protocol import (
 )
 from pagedkv.serve.responses import Job, collect, stream_events
 from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -64,6 +66,9 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     enable_docs: bool = False
+    served_model_names: list[str] | None = None
+    sampling_defaults: dict[str, Any] | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -76,6 +81,9 @@ class ServerState:
         self.vocab_size = core.vocab_size
         self.created = self.created or int(time.time())
         self.token_texts = TokenTexts(self.tokenizer)
+        self.served_model_names = list(self.served_model_names or [self.model_name])
+        self.model_name = self.served_model_names[0]
+        self.uses_priority = bool(getattr(core.scheduler, "uses_priority", False))
         self.max_prompt_chars = rules.max_prompt_chars(self.max_model_len, self.tokenizer)
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
@@ -138,11 +146,20 @@ def build_app(state: ServerState) -> FastAPI:
     # no route takes a body parameter, so FastAPI reads no body: check_key runs before a byte of it is read
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedkv",
+                "root": name, "parent": None, "max_model_len": state.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pagedkv",
-                "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in state.served_model_names:
+            raise InvalidField("model", f"the model {model_id!r} does not exist; this server has "
+                               f"{state.served_model_names}", 404, "not_found_error")
+        return card(model_id)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -153,6 +170,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _guarded(_chat(state, request))
 
     app.include_router(v1)
+    add_tokenizer_routes(app, state, check_key, validated_body)
     if state.enable_docs:
         _add_docs(app, check_key)
     return app
@@ -233,10 +251,15 @@ def _validate(model: Any, raw: bytes) -> Any:
         raise InvalidField(error["param"], error["message"]) from None
 
 
-async def _body(state: ServerState, request: Request, model: Any) -> Any:
+async def validated_body(state: ServerState, request: Request, model: Any) -> Any:
+    """The body read within its limits and validated as ``model`` off the event loop."""
     raw = await read_body(state, request)
     loop = asyncio.get_running_loop()
-    body = await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+    return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+
+
+async def _body(state: ServerState, request: Request, model: Any) -> Any:
+    body = await validated_body(state, request, model)
     body.refuse_unsupported()
     return body
 
@@ -254,24 +277,24 @@ async def _completions(state: ServerState, request: Request) -> Response:
             _check_ids(state, ids)
     loop = asyncio.get_running_loop()
     encoded = await loop.run_in_executor(state.tokenize_pool, _encode_all, state.tokenizer, prompts,
-                                         state.max_model_len)
-    explicit = "max_tokens" in body.model_fields_set
-    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False)
+                                         state.max_model_len, body.add_special_tokens)
+    explicit = "max_tokens" in body.model_fields_set  # null is unset: OpenAI's default 16, as vLLM
+    echo = None
+    if body.echo:
+        echo = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state, prompts)
+    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False, echo=echo)
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
     body = await _body(state, request, ChatCompletionRequest)
-    tokenizer = state.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidField("messages", f"model {state.model_name!r} has no chat template, so it cannot answer "
-                           "chat requests; use /v1/completions with a plain prompt")
     conversation = body.conversation()
     _check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, tokenizer, conversation,
-                                     body.add_generation_prompt, state.max_model_len)
+    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, state, conversation,
+                                     body.template_arguments(), body.add_special_tokens)
     wanted = body.wanted_max_tokens()
-    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
+    echo = [body.echo_text()] if body.echo else None
+    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True, echo=echo)
 
 
 def _check_chars(field: str, chars: int, state: ServerState) -> None:
@@ -280,12 +303,13 @@ def _check_chars(field: str, chars: int, state: ServerState) -> None:
                            f"context of {state.max_model_len} tokens")
 
 
-def _encode_all(tokenizer: Any, prompts: list[str | list[int]], limit: int) -> list[list[int]]:
+def _encode_all(tokenizer: Any, prompts: list[str | list[int]], limit: int,
+                add_special_tokens: bool = True) -> list[list[int]]:
     """Token ids of every prompt (on the tokenizer's thread); text the tokenizer cannot take is a 400."""
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            out.append(_tokenize("prompt", tokenizer, prompt, limit, True))
+            out.append(_tokenize("prompt", tokenizer, prompt, limit, add_special_tokens))
         else:
             out.append(list(prompt))
     return out
@@ -301,15 +325,16 @@ def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tok
         raise InvalidField(field, f"the tokenizer cannot take this {field}: {type(exc).__name__}") from None
 
 
-def _encode_chat(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool,
-                 limit: int) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and whatever a template raises
-        raise InvalidField("messages", f"the chat template refused these messages: {type(exc).__name__}: "
-                           f"{str(exc)[:200]}") from None
-    return _tokenize("messages", tokenizer, text, limit, False)
+def _encode_chat(state: ServerState, conversation: list[dict[str, Any]], template_arguments: dict[str, Any],
+                 add_special_tokens: bool) -> list[int]:
+    """The conversation through the chat template, as token ids (on the tokenizer's thread)."""
+    text = render_chat(state, conversation, template_arguments)
+    return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
+
+
+def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:
+    """Completions' ``echo``: each prompt's text (token-id prompts decoded)."""
+    return [p if isinstance(p, str) else decode_ids(state, p) for p in prompts]
 
 
 def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
@@ -322,15 +347,21 @@ def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
-                  max_tokens: int | None, explicit: bool, chat: bool) -> Response:
-    if body.model not in (None, "", state.model_name):
+                  max_tokens: int | None, explicit: bool, chat: bool, echo: list[str] | None = None) -> Response:
+    if body.model not in (None, "", *state.served_model_names):
         raise InvalidField("model", f"the model {body.model!r} does not exist; this server has "
                            f"{state.model_name!r}", 404, "not_found_error")
+    _check_vllm_limits(state, body)
+    if body.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens (-1: the context)
+        keep = state.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        prompts = [p[-keep:] for p in prompts]
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
         raise InvalidField(prompt_field, f"the prompt has {longest} tokens; this model's context is {limit} "
                            "tokens, which leaves no room for an answer")
+    if max_tokens is None and (state.sampling_defaults or {}).get("max_tokens"):
+        max_tokens = state.sampling_defaults["max_tokens"]  # the generation config's max_new_tokens, as vLLM
     if max_tokens is None or not explicit:
         max_tokens = min(max_tokens or limit, limit - longest)
     elif longest + max_tokens > limit:
@@ -338,7 +369,7 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"max_tokens ({max_tokens}) + the prompt ({longest} tokens) is above this model's "
                            f"context of {limit} tokens")
     try:
-        params = body.sampling_params(max_tokens, state.vocab_size)
+        params = body.sampling_params(max_tokens, state.vocab_size, state.sampling_defaults)
     except RequestRejected as exc:  # the engine's checks start their message with the field's name
         name = str(exc).split(" ", 1)[0]
         raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
@@ -348,12 +379,16 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
     if not state.engine.has_room(sequences):
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
-    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
-              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)
+              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
+              echo=echo, prompt_ids=prompts if body.return_token_ids else None,
+              continuous_usage=body.continuous_usage)
+    options = body.engine_options()
+    engine_prefix = f"{response_id}-{uuid.uuid4().hex[:8]}" if body.request_id else response_id
     try:
         for index, ids in enumerate(prompts):
-            job.handles.append(await state.engine.add(ids, params, f"{response_id}-{index}"))
+            job.handles.append(await state.engine.add(ids, params, f"{engine_prefix}-{index}", **options))
     except QueueFull as exc:
         job.close()
         return _queue_full(state, str(exc))
@@ -380,6 +415,17 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
 def _queue_full(state: ServerState, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, "service_unavailable", code=503), status_code=503,
                         headers={"Retry-After": str(state.retry_after_s)})
+
+
+def _check_vllm_limits(state: ServerState, body: Any) -> None:
+    """Server-wide limits on vLLM's fields: ``--max-logprobs``, and priority only under the priority policy."""
+    if body.priority and not state.uses_priority:
+        raise InvalidField("priority", f"priority {body.priority} needs priority scheduling; start the server with "
+                           "--scheduling-policy priority")
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > state.max_logprobs:
+            raise InvalidField(name, f"{name} ({value}) is above this server's --max-logprobs ({state.max_logprobs})")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> tuple[Any, Any]:

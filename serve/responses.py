@@ -37,10 +37,17 @@ class Job:
     texts: Any = None  # TokenTexts: each token's own text and bytes, for the logprobs
     arrival: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: list[str] | None = None  # per prompt: text that starts each of its choices (vLLM's echo)
+    prompt_ids: list[list[int]] | None = None  # per prompt, when the request asked for return_token_ids
+    continuous_usage: bool = False  # usage so far on every streamed chunk (continuous_usage_stats)
+    cached: dict[int, int] = field(default_factory=dict)  # prompt index -> its tokens found in the prefix cache
 
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
+            forget = getattr(self.metrics, "forget", None)
+            if forget is not None:
+                forget(handle.request_id)
 
     def logprobs_of(self, completion: Any, start: int = 0, end: int | None = None, offset: int = 0) -> Any:
         """The OpenAI logprobs object for tokens ``start:end`` of a choice (None unless asked for)."""
@@ -53,23 +60,30 @@ class Job:
 
 
 class _Timer:
-    """Per engine request: time to first token, inter-output latency, end-to-end latency."""
+    """Per engine request: time to first token, inter-output latency, end-to-end latency, phase times."""
 
     def __init__(self, job: Job) -> None:
-        self.job, self.last, self.first = job, None, True
+        self.job, self.last, self.first, self.first_token = job, None, True, None
 
     def observe(self, out: Any) -> None:
-        now, m = time.perf_counter(), self.job.metrics
+        now, m, arrival = time.perf_counter(), self.job.metrics, self.job.arrival
+        phases = getattr(m, "phases", None)
         if self.first and any(c.token_ids for c in out.outputs):
-            m.ttft.observe(now - self.job.arrival)
-            self.first = False
+            m.ttft.observe(now - arrival)
+            self.first, self.first_token = False, now
+            if phases is not None:
+                phases(out.request_id, arrival, now, None)
         elif self.last is not None:
             m.itl.observe(now - self.last)
         self.last = now
         if out.finished:
-            m.e2e.observe(now - self.job.arrival)
+            m.e2e.observe(now - arrival)
             for c in out.outputs:
                 m.finished(c.finish_reason)
+            if phases is not None:
+                phases(out.request_id, arrival, self.first_token, now)
+                m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                m.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
 
 
 async def _merged(job: Job) -> AsyncIterator[tuple[int, Any]]:
@@ -107,9 +121,10 @@ async def _merged(job: Job) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _error_of(completion: Any) -> str | None:
@@ -128,6 +143,7 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
     aborted = False
     try:
         async for index, out in _merged(job):
+            job.cached[index] = out.num_cached_tokens
             finals[index] = out
     except RequestFailed as exc:
         return 500, error_body(str(exc), "internal_server_error", code=500)
@@ -142,12 +158,17 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
             finish = c.finish_reason if c.finish_reason is not None or not aborted else "abort"
             choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": job.logprobs_of(c),
                                       "finish_reason": finish, "stop_reason": c.stop_reason}
+            text = (job.echo[p] if job.echo else "") + c.text
             if job.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = c.text
+                choice["text"] = text
                 if finals[p].prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(finals[p].prompt_logprobs, job.texts)
+            if job.prompt_ids is not None:  # vLLM's return_token_ids
+                if not job.chat:
+                    choice["prompt_token_ids"] = job.prompt_ids[p]
+                choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     if aborted:  # choices (or whole prompts) that had produced nothing yet still get their place
         seen = {ch["index"] for ch in choices}
@@ -159,7 +180,9 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
     choices.sort(key=lambda ch: ch["index"])
     body = {"id": job.response_id, "object": "chat.completion" if job.chat else "text_completion",
             "created": job.created, "model": job.model, "choices": choices,
-            "usage": _usage(job.prompt_tokens, completion_tokens)}
+            "usage": _usage(job.prompt_tokens, completion_tokens, sum(job.cached.values()))}
+    if job.chat and job.prompt_ids is not None:
+        body["prompt_token_ids"] = job.prompt_ids[0]
     if job.chat and finals and finals[0].prompt_logprobs is not None:  # vLLM puts chat's at the top level
         body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, job.texts)
     return 200, body
@@ -188,8 +211,24 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             text_offset[index] = text_offset.get(index, 0) + sum(map(len, result["tokens"]))
         return result
 
+    token_ids_sent: dict[int, int] = {}  # choice index -> token ids that went out (return_token_ids)
+    started: set[int] = set()  # choices whose first chunk went out (echo, prompt_token_ids)
+
     def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False,
-              logprobs: Any = None) -> str:
+              logprobs: Any = None, c: Any = None) -> str:
+        extra: dict[str, Any] = {}
+        if not role and index not in started:
+            started.add(index)
+            if job.echo:
+                text = job.echo[index // job.n] + (text or "")
+            if job.prompt_ids is not None and not job.chat:
+                extra["prompt_token_ids"] = job.prompt_ids[index // job.n]
+            elif job.prompt_ids is not None and job.chat:
+                extra["top_prompt_token_ids"] = job.prompt_ids[index // job.n]
+        if job.prompt_ids is not None and c is not None:
+            start = token_ids_sent.get(index, 0)
+            extra["token_ids"] = list(c.token_ids[start:])
+            token_ids_sent[index] = len(c.token_ids)
         if job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -199,7 +238,12 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
-        return _sse({**head, "choices": [choice], **usage_field})
+        top = {"prompt_token_ids": extra.pop("top_prompt_token_ids")} if "top_prompt_token_ids" in extra else {}
+        choice.update(extra)
+        usage = usage_field
+        if job.continuous_usage and not role:
+            usage = {"usage": _usage(job.prompt_tokens, sum(tokens.values()), sum(job.cached.values()))}
+        return _sse({**head, **top, "choices": [choice], **usage})
 
     try:
         if job.chat:
@@ -207,6 +251,7 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                 yield chunk(index, None, None, role=True)
         try:
             async for p, out in _merged(job):
+                job.cached[p] = out.num_cached_tokens
                 for c in out.outputs:
                     index = p * job.n + c.index
                     if index in done:
@@ -222,9 +267,9 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                     sent[index] = end
                     if finished:
                         done.add(index)
-                        yield chunk(index, text, c.finish_reason, c.stop_reason, logprobs=new_logprobs(index, c))
-                    elif text:
-                        yield chunk(index, text, None, logprobs=new_logprobs(index, c))
+                        yield chunk(index, text, c.finish_reason, c.stop_reason, logprobs=new_logprobs(index, c), c=c)
+                    elif text or (index not in started and job.echo):
+                        yield chunk(index, text, None, logprobs=new_logprobs(index, c), c=c)
         except RequestFailed as exc:
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
             yield "data: [DONE]\n\n"
@@ -234,7 +279,8 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                 if index not in done:
                     yield chunk(index, None, "abort")
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(job.prompt_tokens, sum(tokens.values()))})
+            usage = _usage(job.prompt_tokens, sum(tokens.values()), sum(job.cached.values()))
+            yield _sse({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
     finally:
         job.close()

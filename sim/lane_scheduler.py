@@ -266,6 +266,7 @@ class DecodeLaneScheduling:
         update.generated += len(samples) + out.lane_decodes
         for seq in owed:
             seq.output_token_ids.append(lane.token)
+        self._probe_peak()
         if ended:  # finish in running order, as one-by-one stepping does
             samples = sorted([*samples, *((s, lane.token, None) for s in ended)], key=lambda item: item[0].run_order)
         for seq, token, _ in samples:

@@ -75,14 +75,18 @@ def test_work_per_token_is_bounded_not_proportional_to_the_output(tokenizer):
     assert counting.decoded_ids < 12 * len(ids)  # a full re-decode per token would read ~len(ids)**2 / 2
 
 
-def test_special_tokens_are_skipped_and_an_invalid_tail_is_let_out_at_the_end(tokenizer):
+def test_special_tokens_are_skipped_and_a_cut_character_is_dropped_at_the_end(tokenizer):
     ids = [tokenizer.convert_tokens_to_ids("<|im_start|>"), *tokenizer("ok")["input_ids"]]
     _, chunks = stream_chunks(tokenizer, ids)
     assert "".join(chunks) == "ok"
     lone_byte = tokenizer("한")["input_ids"][:1]  # a character's first byte and nothing after it
     detok = IncrementalDetokenizer(tokenizer)
-    assert detok.push(lone_byte) == ""
-    assert detok.push([], final=True) == "\ufffd"  # what a full decode shows for an invalid byte
+    assert detok.push(tokenizer("ok")["input_ids"] + lone_byte) == "ok"
+    assert detok.push([], final=True) == ""  # cut by max_tokens mid-character: its bytes never show (vLLM)
+    assert detok.text == "ok"
+    detok = IncrementalDetokenizer(tokenizer)  # an invalid byte with text after it shows as a full decode shows it
+    detok.push(lone_byte + tokenizer("ok")["input_ids"])
+    assert detok.push([], final=True) == "" and detok.text == tokenizer.decode(lone_byte + tokenizer("ok")["input_ids"])
 
 
 def test_engine_streams_only_complete_characters_and_ends_with_the_full_decode(tokenizer):

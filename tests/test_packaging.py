@@ -55,7 +55,7 @@ def test_builtin_components_come_through_the_entry_point_group(tmp_path):
     assert json.loads(out) == {
         "backend": ["cpu", "cupy", "torch", "triton"],
         "allocator": ["paged", "static"],
-        "scheduler": ["fcfs"],
+        "scheduler": ["fcfs", "priority"],
     }
 
 

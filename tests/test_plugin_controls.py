@@ -100,7 +100,7 @@ def test_an_empty_pagedkv_plugins_loads_no_third_party_plugin(site, monkeypatch)
     names = site("pagedkv-fake", {"alpha": GOOD})
     monkeypatch.setenv("PAGEDKV_PLUGINS", "")
     pm = make_plugin_manager()
-    assert schedulers(pm) == ["fcfs"] and names["alpha"] not in schedulers(pm)
+    assert schedulers(pm) == ["fcfs", "priority"] and names["alpha"] not in schedulers(pm)
     assert build_registry(pm, "backend", "pagedkv_register_backends").names() == ["cpu", "cupy", "torch", "triton"]
     assert {r["name"]: r["status"] for r in list_plugins(pm) if not r["builtin"]} == {"alpha": "not selected"}
 

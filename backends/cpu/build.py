@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from functools import lru_cache
@@ -72,11 +73,36 @@ def _compile(target: Path) -> float:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.Popen([cxx, *FLAGS, str(SOURCE), "-o", str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        _, stderr = _wait_saying_so(proc)
         if proc.returncode != 0:
-            raise BuildError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
+            raise BuildError(f"{cxx} failed: {stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: a concurrent build never sees a half-written library
     return time.perf_counter() - started
+
+
+_MESSAGE = "pagedkv: compiling the CPU attention kernel (once per machine)"
+
+
+def _wait_saying_so(proc: subprocess.Popen) -> tuple[str, str]:
+    """The build's output, after saying on stderr what the wait is for (with a spinner on a terminal)."""
+    stream = sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        print(f"{_MESSAGE}...", file=stream, flush=True)
+        return proc.communicate()
+    frames, index, started = "|/-\\", 0, time.perf_counter()
+    while True:
+        try:
+            result = proc.communicate(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            stream.write(f"\r{_MESSAGE} {frames[index % 4]} {time.perf_counter() - started:4.0f} s")
+            stream.flush()
+            index += 1
+    stream.write(f"\r{_MESSAGE}: done in {time.perf_counter() - started:.0f} s\n")
+    stream.flush()
+    return result
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

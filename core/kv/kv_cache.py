@@ -109,10 +109,22 @@ def profile_gpu_budget(model: Any, config: Any, utilization: float) -> int:
 
 
 def decide_max_model_len(config: Any, hf_config: Any, capacity_tokens: int) -> int:
-    """The configured or the model's limit, and never more than the whole cache holds."""
+    """The configured or the model's limit, never more than the whole cache holds.
+
+    An explicit ``max_model_len`` the cache cannot hold for one request is an error (as vLLM refuses to
+    start); ``"auto"`` takes what the cache holds; unset takes the model's limit, capped by the cache.
+    """
     model_limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     wanted = config.max_model_len
+    if wanted == "auto":
+        return min(model_limit or capacity_tokens, capacity_tokens)
     if wanted is not None and model_limit is not None and wanted > model_limit:
         raise ConfigError(f"max_model_len {wanted} is above the model's limit of {model_limit} positions")
+    if wanted is not None and wanted > capacity_tokens:
+        raise ConfigError(
+            f"max_model_len {wanted} does not fit: the KV cache holds {capacity_tokens} tokens "
+            f"({capacity_tokens // config.block_size} blocks of {config.block_size}), less than one request that "
+            "long; give a larger --kv-cache-memory / --num-blocks, a smaller --max-model-len, or --max-model-len auto"
+        )
     return min(wanted or model_limit or capacity_tokens, capacity_tokens)
 

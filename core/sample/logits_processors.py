@@ -28,6 +28,15 @@ def ban_tokens(logits: torch.Tensor, banned: SequenceOf[SequenceOf[int]]) -> Non
         logits[_flat_index(banned, logits.device)] = NEG_INF
 
 
+def keep_only(logits: torch.Tensor, allowed: SequenceOf[SequenceOf[int] | None]) -> None:
+    """Row ``r`` can produce only ``allowed[r]`` (None: every token), vLLM's ``allowed_token_ids``."""
+    for r, ids in enumerate(allowed):
+        if ids is not None:
+            mask = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            mask[torch.tensor(list(ids), dtype=torch.long, device=logits.device)] = False
+            logits[r].masked_fill_(mask, NEG_INF)
+
+
 def add_logit_bias(logits: torch.Tensor, biases: SequenceOf[dict[int, float]]) -> None:
     """Add ``biases[r][token]`` to row ``r``'s logit of ``token`` (OpenAI / vLLM ``logit_bias``)."""
     if not any(biases):

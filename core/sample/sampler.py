@@ -1,6 +1,7 @@
 """Picks next tokens for a whole batch with tensor ops, keeping per-request seeded generators.
 
-Order (vLLM's): banned tokens (min_tokens), logit bias, penalties; greedy rows take the argmax there.
+Order (vLLM's): banned tokens (min_tokens, bad words), allowed tokens, logit bias, penalties; greedy rows
+take the argmax there.
 Sampled rows then go through temperature, min-p, top-k and top-p, and each draws one uniform number
 from its own generator: the token is where that number falls in the row's cumulative distribution
 (inverse CDF). Every row's arithmetic is independent of the others, so a seeded request gives the same
@@ -21,6 +22,7 @@ from pagedkv.core.sample.logits_processors import (
     apply_temperature,
     apply_top_k_top_p,
     ban_tokens,
+    keep_only,
 )
 from pagedkv.core.sample.logprobs import token_logprobs
 from pagedkv.core.sample.sampling_batch import SamplingBatch
@@ -98,6 +100,8 @@ class Sampler:
         params = batch.params
         scores = logits.clone()
         ban_tokens(scores, batch.banned)
+        if any(p.allowed_token_ids is not None for p in params):
+            keep_only(scores, [p.allowed_token_ids for p in params])
         add_logit_bias(scores, [p.logit_bias for p in params])
         apply_penalties(scores, params, batch.prompt_ids, batch.output_ids)
         chosen = scores.argmax(dim=-1)

@@ -42,5 +42,6 @@ class SamplingBatch:
     def only_argmax(self) -> bool:
         """Every row is plain greedy: one argmax and nothing else (the simulator's hot path)."""
         return not any(self.banned) and all(
-            p.greedy and not p.logit_bias and not p.has_penalties and p.logprobs is None for p in self.params
+            p.greedy and not p.logit_bias and not p.has_penalties and p.logprobs is None and p.allowed_token_ids is None
+            for p in self.params
         )

@@ -34,6 +34,12 @@ class SamplingParams:
     the same for every prompt token after the first. Log-probabilities are those
     of the raw model logits, before any penalty, bias, temperature or filter
     (vLLM's default ``raw_logprobs``).
+
+    As vLLM: ``include_stop_str_in_output`` keeps the stop string (or stop token's text) in the
+    output; ``skip_special_tokens`` / ``spaces_between_special_tokens`` go to the tokenizer's
+    decode; ``bad_words`` are never generated (each word's last token is banned once the tokens
+    before it were generated); ``allowed_token_ids`` restricts every draw to those ids;
+    ``truncate_prompt_tokens=k`` keeps only the prompt's last ``k`` tokens (-1: the model's length).
     """
 
     max_tokens: int = 16
@@ -53,6 +59,13 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # the engine fills it
 
     def __post_init__(self) -> None:
         if not self._plain():
@@ -79,6 +92,10 @@ class SamplingParams:
             and type(self.stop_token_ids) is list and not self.stop_token_ids
             and type(self.logit_bias) is dict and not self.logit_bias
             and self.logprobs is None and self.prompt_logprobs is None
+            and self.include_stop_str_in_output is False and self.skip_special_tokens is True
+            and self.spaces_between_special_tokens is True and type(self.bad_words) is list and not self.bad_words
+            and self.allowed_token_ids is None and self.truncate_prompt_tokens is None
+            and type(self.bad_words_token_ids) is list and not self.bad_words_token_ids
         )
 
     def _check(self) -> None:
@@ -110,6 +127,20 @@ class SamplingParams:
             self.logprobs = _count("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _count("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestRejected(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.bad_words = _bad_words(self.bad_words)
+        self.bad_words_token_ids = [ids for w in self.bad_words_token_ids or () if (ids := _token_list("bad_words", w))]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise RequestRejected("allowed_token_ids must not be empty (leave it unset to allow every token)")
+        if self.truncate_prompt_tokens is not None:
+            value = _count("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None)
+            if value == 0:
+                raise RequestRejected("truncate_prompt_tokens must be >= 1 (or -1: the model's length), got 0")
+            self.truncate_prompt_tokens = value
 
     def checked_copy(self) -> SamplingParams:
         """A copy checked again (fields may have been edited since construction) that shares no container
@@ -118,6 +149,9 @@ class SamplingParams:
         new.__dict__.update(self.__dict__)
         new.__post_init__()
         new.stop, new.stop_token_ids, new.logit_bias = list(new.stop), list(new.stop_token_ids), dict(new.logit_bias)
+        new.bad_words, new.bad_words_token_ids = list(new.bad_words), [list(w) for w in new.bad_words_token_ids]
+        if new.allowed_token_ids is not None:
+            new.allowed_token_ids = list(new.allowed_token_ids)
         return new
 
     @property
@@ -130,9 +164,10 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model (the engine calls this at ``add_request``)."""
-        if not (self.stop_token_ids or self.logit_bias):
+        if not (self.stop_token_ids or self.logit_bias or self.allowed_token_ids):
             return
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise RequestRejected(f"{name} has token id {bad[0]}, outside the vocabulary 0..{vocab_size - 1}")
@@ -183,6 +218,16 @@ def _stop_strings(stop: Any) -> list[str]:
     if any(not s for s in stop):
         raise RequestRejected("stop strings must be non-empty")
     return list(stop)
+
+
+def _bad_words(words: Any) -> list[str]:
+    if words is None:
+        return []
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise RequestRejected(f"bad_words must be a list of strings, got {words!r}")
+    if any(not w.strip() for w in words):
+        raise RequestRejected("bad_words must hold non-blank strings")
+    return list(words)
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

@@ -58,6 +58,7 @@ class RequestGroups:
             index = len(group)  # parent.params carries seed + 0, so sample i gets seed + i as if unforked
             child = self._new_sample(parent.request_id, parent.prompt_token_ids, parent.params, index,
                                      self.keys[parent.seq_id] + index, parent.prompt, parent.cache_salt)
+            child.priority, child.arrival = parent.priority, parent.arrival
             allocator.fork(parent, child)
             child.num_computed_tokens = computed
             scheduler.add_running(child)

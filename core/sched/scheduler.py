@@ -17,6 +17,7 @@ full-block reports, new tokens, finishes.
 from __future__ import annotations
 
 import itertools
+import logging
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from pagedkv.core.sched.stop_check import StopCheck
 Sample = tuple[Sequence, int, "dict[int, float] | None"]  # a drawn token and its logprobs (if asked for)
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
 _run_order = attrgetter("run_order")
+log = logging.getLogger("pagedkv.sched")  # --log-level debug: one line per admission, preemption, swap
 
 
 @dataclass
@@ -104,7 +106,9 @@ class FCFSScheduler:
         self.step_index = 0
         self.stop_check = StopCheck()  # the engine's (EOS ids, tokenizer for stop strings): see ``connect``
         self.on_block_full: Callable[..., Any] | None = None  # ``pagedkv_on_block_full`` observers, if any
+        self.on_step_peak: Callable[[], Any] | None = None  # the engine's KV peak probe (see update_from_output)
         self._run_orders = itertools.count()
+        self._debug = log.isEnabledFor(logging.DEBUG)
 
     def connect(self, stop_check: StopCheck, on_block_full: Callable[..., Any] | None) -> None:
         """The engine's end-of-sequence rule and full-block observers, used by :meth:`update_from_output`."""
@@ -175,7 +179,7 @@ class FCFSScheduler:
             while not self._allocate(seq, num_new):
                 if seq.is_finished:  # a plugin fault failed it
                     break
-                victim = self.running.pop()  # the newest running sequence
+                victim = self._pop_victim(i)  # the newest running sequence
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -234,6 +238,9 @@ class FCFSScheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
             self.events.emit("request_swap_in", request=seq.request_id)
+            if self._debug:
+                log.debug("step %d: swap in %s (%d blocks back from CPU)", self.step_index, seq.request_id,
+                          len(seq.block_table))
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -255,9 +262,24 @@ class FCFSScheduler:
                     seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            if self._debug:
+                log.debug("step %d: admit %s (%d prompt tokens, %d from the prefix cache; %d blocks free)",
+                          self.step_index, seq.request_id, len(seq.prompt_token_ids), seq.num_computed_tokens,
+                          self.allocator.pool.num_available)
             self._start_running(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
+
+    def _pop_victim(self, first: int) -> Sequence:
+        """Take the sequence to preempt out of ``running[first:]`` (those not yet scheduled this step):
+        FCFS takes the newest."""
+        return self.running.pop()
+
+    def _requeue(self, seq: Sequence) -> None:
+        """A sequence preempted by recompute goes back to the front of the queue: started work first."""
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
@@ -281,17 +303,23 @@ class FCFSScheduler:
                 self.swapped.append(seq)
                 out.preempted.append(seq)
                 self.events.emit("request_swap_out", request=seq.request_id, blocks=len(pairs))
+                if self._debug:
+                    log.debug("step %d: preempt %s by swap: %d blocks to CPU", self.step_index, seq.request_id,
+                              len(pairs))
                 return
         discarded = seq.num_computed_tokens
         self.allocator.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
         out.preempted.append(seq)
         self.preemptions.append(PreemptionRecord(seq.request_id, self.step_index, discarded))
         self.tokens_discarded += discarded
         self.events.emit("request_preempt", request=seq.request_id, tokens_discarded=discarded)
+        if self._debug:
+            log.debug("step %d: preempt %s by recompute: %d computed tokens dropped (%d blocks free)",
+                      self.step_index, seq.request_id, discarded, self.allocator.pool.num_available)
 
     # --- after the step: bookkeeping ------------------------------------------------------------------
 
@@ -301,9 +329,16 @@ class FCFSScheduler:
         update = StepUpdate()
         for item in out.scheduled:
             self._advance(item.seq, item.num_new_tokens, update)
+        self._probe_peak()
         for seq, token, logprobs in samples:
             self._take_token(seq, token, logprobs, update)
         return update
+
+    def _probe_peak(self) -> None:
+        """The step's KV memory is at its peak now: its tokens are in the cache, no finished sequence freed
+        its blocks yet (the run summary's peak blocks and waste are measured here)."""
+        if self.on_step_peak is not None:
+            self.on_step_peak()
 
     def computed_tokens(self) -> int:
         """Computed tokens over the running sequences (each counted in full)."""

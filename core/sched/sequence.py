@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.kv.block_table import BlockTable
-from pagedkv.core.sample.detokenizer import output_text
+from pagedkv.core.sample.detokenizer import ends_by_token, output_text
 from pagedkv.core.sample.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -53,6 +53,8 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token (logprobs set)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
+    priority: int = 0  # lower runs first under the priority scheduler (vLLM's meaning)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,
@@ -145,6 +147,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)
 
     @property
     def text(self) -> str:
@@ -160,8 +163,8 @@ class RequestOutput:
         completions = []
         for index, seq in enumerate(seqs):
             if not isinstance(seq.stop_reason, str):
-                seq.output_text = output_text(seq, tokenizer, final=seq.is_finished)
+                seq.output_text = output_text(seq, tokenizer, final=seq.is_finished, drop_last=ends_by_token(seq))
             completions.append(seq.completion(index))
         first = seqs[0]
         return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished,
-                   first.prompt_logprobs_out())
+                   first.prompt_logprobs_out(), first.num_cached_tokens or 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.core.sample.bad_words import bad_word_bans
 from pagedkv.core.sample.detokenizer import output_text
 from pagedkv.core.sched.sequence import Sequence
 
@@ -32,11 +33,12 @@ class StopCheck:
         elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             result = ("length", None)
         if p.stop and self.tokenizer is not None:
-            text = output_text(seq, self.tokenizer, final=result is not None)
+            by_token = result is not None and result[0] == "stop"
+            text = output_text(seq, self.tokenizer, final=result is not None, drop_last=by_token)
             for s in p.stop:
                 cut = text.find(s)
                 if cut >= 0:
-                    seq.output_text = text[:cut]
+                    seq.output_text = text[:cut + len(s)] if p.include_stop_str_in_output else text[:cut]
                     return ("stop", s)
         return result
 
@@ -46,11 +48,13 @@ class StopCheck:
         return not (p.stop_token_ids or p.stop or self.eos_token_ids)
 
     def banned(self, seq: Sequence) -> list[int]:
-        """Token ids ``seq`` may not produce yet (before ``min_tokens``)."""
+        """Token ids ``seq`` may not produce now: EOS and stop tokens before ``min_tokens``, and the token
+        that would complete one of its ``bad_words``."""
         p = seq.params
+        words = bad_word_bans(p.bad_words_token_ids, seq.output_token_ids) if p.bad_words_token_ids else []
         if len(seq.output_token_ids) >= p.min_tokens:
-            return []
-        return ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids)
+            return words
+        return ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids) + words
 
 
 def eos_token_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
