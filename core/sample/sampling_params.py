@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.limits import check_cap
+from pagedkv.core.sample.structured_output import StructuredOutputs
 
 MAX_TOKENS_LIMIT = 1 << 20  # far beyond any context window; stops a typo from meaning "forever"
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs and OpenAI's top_logprobs cap
@@ -29,8 +30,9 @@ class SamplingParams:
     in the batch. ``n > 1`` asks for several samples sharing the prompt.
     Penalties follow vLLM: ``repetition_penalty`` (1 = off) over prompt and
     output tokens, ``presence_penalty`` / ``frequency_penalty`` (0 = off) over
-    output tokens. ``logprobs=k`` returns, per generated token, the sampled
-    token's log-probability and the ``k`` most likely ones; ``prompt_logprobs=k``
+    output tokens. ``structured`` (a :class:`StructuredOutputs`, or a dict of its fields) constrains the
+    output to a JSON schema, a regex, a choice or a Lark grammar. ``logprobs=k`` returns, per generated
+    token, the sampled token's log-probability and the ``k`` most likely ones; ``prompt_logprobs=k``
     the same for every prompt token after the first. Log-probabilities are those
     of the raw model logits, before any penalty, bias, temperature or filter
     (vLLM's default ``raw_logprobs``).
@@ -53,6 +55,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutputs | None = None  # output constrained to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if not self._plain():
@@ -79,6 +82,7 @@ class SamplingParams:
             and type(self.stop_token_ids) is list and not self.stop_token_ids
             and type(self.logit_bias) is dict and not self.logit_bias
             and self.logprobs is None and self.prompt_logprobs is None
+            and self.structured is None
         )
 
     def _check(self) -> None:
@@ -110,6 +114,7 @@ class SamplingParams:
             self.logprobs = _count("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _count("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self.structured = StructuredOutputs.of(self.structured)
 
     def checked_copy(self) -> SamplingParams:
         """A copy checked again (fields may have been edited since construction) that shares no container

@@ -59,6 +59,8 @@ class RequestGroups:
             child = self._new_sample(parent.request_id, parent.prompt_token_ids, parent.params, index,
                                      self.keys[parent.seq_id] + index, parent.prompt, parent.cache_salt)
             allocator.fork(parent, child)
+            if parent.matcher is not None:  # the child goes on from the parent's grammar state
+                child.matcher = parent.matcher.copy()
             child.num_computed_tokens = computed
             scheduler.add_running(child)
             group.append(child)

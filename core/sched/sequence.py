@@ -16,6 +16,7 @@ _seq_ids = itertools.count()
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    COMPILING = "compiling"  # a constrained request waiting for its grammar, outside the scheduler
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
@@ -53,6 +54,7 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token (logprobs set)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
+    matcher: Any = field(default=None, repr=False)  # its grammar's state (structured outputs), fed every token
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,
