@@ -214,6 +214,13 @@ class Engine:
             result_of(future)  # raises RequestRejected with the reason
         return future
 
+    def check_structured(self, constraint: Any) -> None:
+        """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
+        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar."""
+        if self.tokenizer is None:
+            raise RequestRejected("structured outputs need the model's tokenizer")
+        self.grammars.check(constraint)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
         seqs = self.requests.pop(request_id)
