@@ -56,6 +56,19 @@ def pagedkv_register_grammar_backends(register: Any) -> None:
     ``EngineConfig.structured_outputs_backend`` names the one an engine uses (``"guidance"``, built in)."""
 
 
+@hookspec
+def pagedkv_register_tool_parsers(register: Any) -> None:
+    """Register tool-call parsers for ``engine serve --tool-call-parser NAME``: ``register(name, factory,
+    description)``; ``factory()`` returns an object with ``parse(text, final)`` giving a
+    :class:`~pagedkv.serve.tool_parsers.base.Parsed` (content, and the calls seen so far)."""
+
+
+@hookspec
+def pagedkv_register_reasoning_parsers(register: Any) -> None:
+    """Register reasoning parsers for ``engine serve --reasoning-parser NAME``: ``register(name, factory,
+    description)``; ``factory()`` returns an object with ``split(text, final)`` giving (reasoning, content)."""
+
+
 # --- lifecycle -----------------------------------------------------------------------------------
 
 

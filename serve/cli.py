@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--telemetry", default=None, metavar="ADDR",
       help="stream block/request telemetry to unix:PATH or tcp:127.0.0.1:PORT (engine monitor --connect ADDR)")
     a("--trace", default=None, metavar="FILE", help="record the telemetry stream to FILE (NDJSON)")
+    a("--structured-outputs-backend", default="guidance",
+      help="grammar backend for response_format / structured_outputs (guidance: llguidance, built in)")
+    a("--enable-auto-tool-choice", action="store_true",
+      help="let the model call tools on its own (tool_choice auto); needs --tool-call-parser")
+    a("--tool-call-parser", default=None,
+      help="how tool calls are written in the model's text: hermes, llama3_json, pythonic, mistral (or a plugin's)")
+    a("--reasoning-parser", default=None,
+      help="split the thinking into reasoning_content: deepseek_r1, qwen3 (or a plugin's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,14 +88,19 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
         device=args.device, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         enable_copy_on_write=args.enable_copy_on_write, swap_space=args.swap_space, telemetry=args.telemetry,
-        trace=args.trace,
+        trace=args.trace, structured_outputs_backend=args.structured_outputs_backend,
     )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("--enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     engine = Engine(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL)
     print(engine.capacity_line(), file=sys.stderr, flush=True)
     server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level,
                          api_key=args.api_key or os.environ.get("PAGEDKV_API_KEY") or None,
-                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+                         max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+                         tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         reasoning_parser=args.reasoning_parser)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -102,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
 def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "warning", api_key: str | None = None, max_waiting: int = 256,
-                shutdown_timeout: float = 10.0, tokenizer: Any = None) -> Any:
+                shutdown_timeout: float = 10.0, tokenizer: Any = None, tool_call_parser: str | None = None,
+                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -112,7 +126,9 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
 
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
-    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer)
+    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
+                        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                        reasoning_parser=reasoning_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import time
 import uuid
@@ -32,6 +33,9 @@ from pagedkv.serve.protocol import (
     validation_error_body,
 )
 from pagedkv.serve.responses import Job, collect, stream_events
+from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.structured_request import Parsers, compile_check, request_constraint
+from pagedkv.serve.tools import template_messages
 
 
 @dataclass
@@ -45,6 +49,9 @@ class ServerState:
     retry_after_s: int = 1
     tokenizer: Any = None
     created: int = 0
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -57,6 +64,7 @@ class ServerState:
         self.vocab_size = core.vocab_size
         self.created = self.created or int(time.time())
         self.token_texts = TokenTexts(self.tokenizer)
+        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -112,7 +120,9 @@ def build_app(state: ServerState) -> FastAPI:
         body.refuse_unsupported()
         prompts = [_encode_text(state, p) if isinstance(p, str) else _check_ids(state, p) for p in body.prompts()]
         explicit = "max_tokens" in body.model_fields_set
-        return await _answer(state, request, body, prompts, "prompt", body.max_tokens, explicit, chat=False)
+        structured = _fields(request_constraint, body, None, [])
+        return await _answer(state, request, body, prompts, "prompt", body.max_tokens, explicit, chat=False,
+                             structured=structured)
 
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -121,15 +131,28 @@ def build_app(state: ServerState) -> FastAPI:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InvalidField("messages", f"model {state.model_name!r} has no chat template, so it cannot answer "
                                "chat requests; use /v1/completions with a plain prompt")
+        tools, choice = _fields(body.tool_setup)
+        _fields(state.parsers.check_choice, choice)
+        structured = _fields(request_constraint, body, choice, tools)
         text = tokenizer.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt, tokenize=False
+            template_messages(body.conversation()), tools=tools or None,
+            add_generation_prompt=body.add_generation_prompt, tokenize=False,
         )
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         wanted = body.wanted_max_tokens()
-        return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True)
+        return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True,
+                             structured=structured, shaper=state.parsers.shaper(choice))
 
     app.include_router(v1)
     return app
+
+
+def _fields(check: Any, *args: Any) -> Any:
+    """``check(*args)``, a ``FieldError`` answered 400 naming its field."""
+    try:
+        return check(*args)
+    except FieldError as exc:
+        raise InvalidField(exc.param, exc.message) from None
 
 
 def _encode_text(state: ServerState, text: str) -> list[int]:
@@ -145,7 +168,8 @@ def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
-                  max_tokens: int | None, explicit: bool, chat: bool) -> Response:
+                  max_tokens: int | None, explicit: bool, chat: bool, structured: Any = (None, None),
+                  shaper: Any = None) -> Response:
     if body.model not in (None, "", state.model_name):
         raise InvalidField("model", f"the model {body.model!r} does not exist; this server has "
                            f"{state.model_name!r}", 404, "not_found_error")
@@ -165,9 +189,17 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
     except RequestRejected as exc:  # the engine's checks start their message with the field's name
         name = str(exc).split(" ", 1)[0]
         raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
+    constraint, field = structured
+    if constraint is not None:
+        try:
+            await compile_check(state.engine.engine, constraint, field)
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
+        params = dataclasses.replace(params, structured=constraint)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
-              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts)
+              max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
+              shaper)
     try:
         for index, ids in enumerate(prompts):
             job.handles.append(await state.engine.add(ids, params, f"{response_id}-{index}"))

@@ -2,7 +2,8 @@
 
 Every field is checked here, so a bad one answers 400 naming it before any work is
 queued. Unknown fields are ignored (as vLLM does); fields OpenAI defines that pagedkv
-cannot honour (echo, suffix, tools, ...) are refused by name rather than ignored. The
+cannot honour (echo, suffix, ...) are refused by name rather than ignored. The structured-output
+and tool fields are declared in ``structured_protocol``. The
 penalty, bias and logprob fields go through ``sampling_fields`` (shared with batch files).
 """
 
@@ -14,13 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
+from pagedkv.serve.structured_protocol import StructuredFields, ToolFields, ToolMessageFields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):
     """Fields shared by /v1/completions and /v1/chat/completions (sampling, streaming, vLLM's extras)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -114,7 +116,7 @@ class CompletionRequest(_Common):
         return prompts
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ToolMessageFields):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -133,30 +135,18 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.tools:
-            raise InvalidField("tools", "tool calling is not supported by pagedkv")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidField("tool_choice", "tool calling is not supported by pagedkv")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidField("response_format", "only response_format {'type': 'text'} is supported")
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text(), **m.tool_keys()} for m in self.messages]
 
 
 class InvalidField(Exception):
