@@ -100,7 +100,8 @@ def scan_call(text: str, start: int, final: bool) -> tuple[ToolCall | None, int 
     args_start = start + args_match.end()
     args_end = value_end(text, args_start)
     if args_end is None:
-        return ToolCall(name, text[args_start:], complete=False), end
+        partial = text[args_start:]  # (a JSON string of JSON is decoded once whole: nothing of it streams before)
+        return ToolCall(name, "" if partial.startswith('"') else partial, complete=False), end
     arguments = text[args_start:args_end]
     try:
         value = json.loads(arguments)
