@@ -21,6 +21,8 @@ from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.sampling_fields import sampling_extras
+from pagedkv.serve.structured_fields import FIELDS as STRUCTURED_FIELDS
+from pagedkv.serve.structured_fields import structured_from_body
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -66,7 +68,7 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: i
         raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise BatchLineError(f"{custom_id}: 'body' must be an object")
-    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS)
+    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS - set(STRUCTURED_FIELDS))
     if unknown:
         raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
@@ -77,6 +79,7 @@ def parse_line(line: str, tokenizer: Any, default_max_tokens: int, vocab_size: i
         kwargs["stop"] = [kwargs["stop"]]
     try:
         kwargs.update(sampling_extras(body, url == CHAT_URL, vocab_size))
+        kwargs["structured"] = structured_from_body(body)[0]
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
         raise BatchLineError(f"{custom_id}: {exc}") from None
@@ -197,6 +200,8 @@ def run_batch(
             bad += 1
             continue
         try:
+            if request.params.structured is not None:  # compiled before any step runs: a bad schema is a 400 line
+                engine.check_structured(request.params.structured)
             for prompt in request.prompts:
                 request.engine_ids.append(engine.add_request(prompt, request.params))
         except RequestRejected as exc:
