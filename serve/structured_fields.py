@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
-from pagedkv.core.structured_output import StructuredOutputs
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.sampling_fields import FieldError
 
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

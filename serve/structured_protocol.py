@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedkv.core.structured_output import StructuredOutputs
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.structured_fields import FIELDS, structured_from_body
 from pagedkv.serve.tools import ToolChoice, check_tools, tool_choice_of
 

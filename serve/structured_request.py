@@ -11,8 +11,8 @@ import asyncio
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
-from pagedkv.core.plugin_manager import build_registry
-from pagedkv.core.structured_output import StructuredOutputs
+from pagedkv.core.plugin.plugin_manager import build_registry
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.chat_output import ChatShaper
 from pagedkv.serve.sampling_fields import FieldError
 from pagedkv.serve.tool_parsers.forced import NamedToolParser, RequiredToolParser

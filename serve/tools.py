@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.core.structured_output import StructuredOutputs
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.sampling_fields import FieldError
 
 

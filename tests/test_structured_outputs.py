@@ -17,8 +17,8 @@ from pagedkv.core.engine import Engine
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.llm import LLM
-from pagedkv.core.sampling_params import SamplingParams
-from pagedkv.core.structured_output import StructuredOutputs
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.testing import BYTE_VOCAB, byte_tokenizer, tiny_llama
 
 SCHEMA = {

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedkv.core.plugin_manager import build_registry, make_plugin_manager
+from pagedkv.core.plugin.plugin_manager import build_registry, make_plugin_manager
 from pagedkv.serve.chat_output import ChatDeltas, ChatShaper
 from pagedkv.serve.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from pagedkv.serve.tool_parsers.forced import NamedToolParser, RequiredToolParser
