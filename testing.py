@@ -27,9 +27,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["TINY_VOCAB", "registered", "tiny_engine", "tiny_llama"]
+__all__ = ["BYTE_VOCAB", "TINY_VOCAB", "byte_tokenizer", "registered", "tiny_engine", "tiny_llama"]
 
 TINY_VOCAB = 211
+BYTE_VOCAB = 264  # a tiny model's vocabulary for byte_tokenizer(): 256 bytes, EOS, and 7 unused (padding) ids
+
+# A ChatML-like template in plain bytes that renders tools, assistant tool calls and tool results.
+BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
 
 # Hooks the engine looks up once, at construction: a plugin registered afterwards is seen by
 # them only if the engine already had an implementation of the same hook then (see registered()).
@@ -57,6 +68,35 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
     fields.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**fields)).eval()
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer() -> Any:
+    """A fast Hugging Face tokenizer with one token per byte (ids 0..255) and ``<|eos|>`` (id 256), with a chat
+    template that renders tools; pair it with ``tiny_llama(vocab_size=BYTE_VOCAB)``. Any text round-trips,
+    and a grammar backend can constrain it byte by byte. Built in memory: nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: b for b, char in _byte_chars().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>")
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_engine(*plugins: Any, model: Any = None, **config: Any) -> Any:

@@ -25,6 +25,8 @@ from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
+from pagedkv.serve.structured_fields import FIELDS as STRUCTURED_FIELDS
+from pagedkv.serve.structured_fields import structured_from_body
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -73,7 +75,7 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
         raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise BatchLineError(f"{custom_id}: 'body' must be an object")
-    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS)
+    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS - set(STRUCTURED_FIELDS))
     if unknown:
         raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
     _check_types(custom_id, body)
@@ -86,6 +88,7 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
         if body.get("logit_bias") is not None and isinstance(body["logit_bias"], dict):
             rules.count_cap("logit_bias", body["logit_bias"], rules.MAX_LOGIT_BIAS, "entries")
         kwargs.update(sampling_extras(body, url == CHAT_URL, vocab_size))
+        kwargs["structured"] = structured_from_body(body)[0]
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
         raise BatchLineError(f"{custom_id}: {exc}") from None
@@ -239,6 +242,8 @@ def run_batch(
             bad += 1
             continue
         try:
+            if request.params.structured is not None:  # compiled before any step runs: a bad schema is a 400 line
+                engine.check_structured(request.params.structured)
             for prompt in request.prompts:
                 request.engine_ids.append(engine.add_request(prompt, request.params))
         except RequestRejected as exc:

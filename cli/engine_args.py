@@ -137,6 +137,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
       "(engine monitor --connect ADDR) (default: off)%(default).0s")
     a("--trace", default=None, metavar="FILE",
       help="record the telemetry stream to FILE (NDJSON) (default: off)%(default).0s")
+    a("--structured-outputs-backend", default="guidance",
+      help="grammar backend for response_format / structured_outputs (guidance: llguidance, built in; or a "
+      "plugin's) (default: %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -158,7 +161,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         device=args.device, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, enable_copy_on_write=args.enable_copy_on_write,
         swap_space=args.swap_space, telemetry=getattr(args, "telemetry", None), trace=getattr(args, "trace", None),
-        plugin_options=options,
+        plugin_options=options, structured_outputs_backend=args.structured_outputs_backend,
     )
 
 

@@ -106,6 +106,7 @@ class EngineConfig:
     swap_space: int | str | None = None
     telemetry: str | None = None
     trace: str | None = None
+    structured_outputs_backend: str = "guidance"  # the grammar backend for constrained requests (llguidance)
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -39,12 +39,14 @@ from pagedkv.core.plugin.plugin_guard import (
     configure_plugins,
     startup_fault,
 )
-from pagedkv.core.plugin.plugin_manager import chosen_components, has_impls, make_plugin_manager
+from pagedkv.core.plugin.plugin_manager import build_registry, chosen_components, has_impls, make_plugin_manager
 from pagedkv.core.prompt_inputs import prompt_of
 from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sample.bad_words import bad_word_ids
+from pagedkv.core.sample.grammar_compiler import GrammarCompiler, result_of
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.grammar_gate import GrammarGate
 from pagedkv.core.sched.request_check import check_prompt, check_text
 from pagedkv.core.sched.request_groups import RequestGroups
 from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
@@ -126,7 +128,9 @@ class Engine:
         self.stats = RunStats()
         self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
         self.requests = RequestGroups(self.sampler, self.max_model_len, self.stats, self.events)
-        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys)
+        self.grammars = self._make_grammar_compiler()
+        self.grammar_gate = GrammarGate()
+        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys, self.grammars)
         self.outputs = OutputProcessor(self.requests, self.scheduler, self.stats, tokenizer)
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
@@ -138,6 +142,19 @@ class Engine:
     def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
         return entry.factory(self.config, self.allocator, self.events, hooks, swap_space=self.swap_space)
 
+    def _make_grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of constrained requests' grammars; its backend is built on first use, off this thread."""
+        entry = build_registry(self.pm, "grammar backend", "pagedkv_register_grammar_backends", startup_fault).get(
+            self.config.structured_outputs_backend)
+        tokenizer, vocab_size = self.tokenizer, self.vocab_size
+
+        def make_backend() -> Any:
+            if tokenizer is None:
+                raise RequestRejected("structured outputs need the model's tokenizer")
+            return entry.factory(tokenizer, vocab_size, self.stop_check.eos_token_ids)
+
+        return GrammarCompiler(make_backend)
+
     def _any_impl(self, *hook_names: str) -> bool:
         return any(has_impls(self.pm, name) for name in hook_names)
 
@@ -147,6 +164,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""
+        self.grammars.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -207,6 +225,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        grammar = self._submit_grammar(params)
         first_key = self.requests.reserve_keys(params.n)  # before any plugin runs (see request_groups)
         try:
             fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
@@ -216,24 +235,47 @@ class Engine:
                                  cache_salt=cache_salt)
         for seq in seqs:
             seq.priority = priority
-            self.scheduler.add(seq)
+        if grammar is not None:
+            self.grammar_gate.park(request_id, grammar, seqs)  # joins the scheduler once compiled
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(token_ids) * params.n
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
+
+    def _submit_grammar(self, params: SamplingParams) -> Any:
+        """The compile future of a constrained request (None if unconstrained); one already failed is refused."""
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestRejected("structured outputs need the model's tokenizer")
+        future = self.grammars.submit(params.structured)
+        if future.done():
+            result_of(future)  # raises RequestRejected with the reason
+        return future
+
+    def check_structured(self, constraint: Any) -> None:
+        """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
+        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar."""
+        if self.tokenizer is None:
+            raise RequestRejected("structured outputs need the model's tokenizer")
+        self.grammars.check(constraint)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
         seqs = self.requests.pop(request_id)
         if seqs is None:
             return False
+        self.grammar_gate.discard(request_id)
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.grammar_gate)
 
     # --- the step -----------------------------------------------------------------------------------------
 
@@ -249,6 +291,8 @@ class Engine:
         return self._step(stream)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
+        if self.grammar_gate:  # compiled grammars' requests join the queue (a failed compile fails its request)
+            self.grammar_gate.release(self.scheduler, idle=not self.scheduler.has_unfinished())
         return self._run_step(self.scheduler.schedule(), stream)
 
     def _run_step(self, out: SchedulerOutput, stream: bool) -> list[RequestOutput]:

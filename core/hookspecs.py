@@ -48,6 +48,27 @@ def pagedkv_register_schedulers(register: Any) -> None:
     ``swap_space`` is the engine's :class:`~pagedkv.core.kv.swap_space.SwapSpace` or None."""
 
 
+@hookspec
+def pagedkv_register_grammar_backends(register: Any) -> None:
+    """Register grammar backends for structured outputs: ``register(name, factory, description)``;
+    ``factory(tokenizer, vocab_size, eos_token_ids)`` returns a :class:`~pagedkv.core.grammar_backend.GrammarBackend`
+    (called once, on the compile thread, when the first constrained request arrives: import heavy packages there).
+    ``EngineConfig.structured_outputs_backend`` names the one an engine uses (``"guidance"``, built in)."""
+
+
+@hookspec
+def pagedkv_register_tool_parsers(register: Any) -> None:
+    """Register tool-call parsers for ``engine serve --tool-call-parser NAME``: ``register(name, factory,
+    description)``; ``factory()`` returns an object with ``parse(text, final)`` giving a
+    :class:`~pagedkv.serve.tool_parsers.base.Parsed` (content, and the calls seen so far)."""
+
+
+@hookspec
+def pagedkv_register_reasoning_parsers(register: Any) -> None:
+    """Register reasoning parsers for ``engine serve --reasoning-parser NAME``: ``register(name, factory,
+    description)``; ``factory()`` returns an object with ``split(text, final)`` giving (reasoning, content)."""
+
+
 # --- lifecycle -----------------------------------------------------------------------------------
 
 

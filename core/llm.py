@@ -57,7 +57,10 @@ class LLM:
         engine = self.engine
         for prompt, sp in zip(prompts, params_list):  # every request checked before any runs
             engine.encode_prompt(prompt, sp.truncate_prompt_tokens)
-            sp.checked_copy().check_vocab(engine.vocab_size)
+            checked = sp.checked_copy()
+            checked.check_vocab(engine.vocab_size)
+            if checked.structured is not None:  # (compiled once here; the requests below reuse it)
+                engine.check_structured(checked.structured)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None

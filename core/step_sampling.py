@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.sample.grammar_step import advance_matchers, allowed_masks
 from pagedkv.core.sample.logprobs import prompt_logprob_span, record_prompt_logprobs
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_batch import SamplingBatch
@@ -38,8 +39,9 @@ def sampling_rows(out: SchedulerOutput, fork: Any) -> tuple[list[Sequence], list
 
 
 class StepSampling:
-    def __init__(self, sampler: Sampler, stop_check: Any, seq_keys: dict[int, int]) -> None:
+    def __init__(self, sampler: Sampler, stop_check: Any, seq_keys: dict[int, int], grammars: Any = None) -> None:
         self.sampler = sampler
+        self.grammars = grammars  # the engine's GrammarCompiler (its backend fills the masks), or None
         self.stop_check = stop_check
         self.seq_keys = seq_keys  # seq_id -> its generator's key (the engine's)
         self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
@@ -87,10 +89,15 @@ class StepSampling:
             except Exception as exc:  # noqa: BLE001 - this row fails below, alone
                 banned.append(())
                 self._fault(seq, "sampling", exc)
-        batch = SamplingBatch.of(seqs, banned, [self.seq_keys[s.seq_id] for s in seqs])
+        constrained = self.grammars is not None and any(s.matcher is not None for s in seqs)
+        allowed = (allowed_masks(seqs, self.grammars.backend, logits.shape[-1], self._fault)
+                   if constrained else None)
+        batch = SamplingBatch.of(seqs, banned, [self.seq_keys[s.seq_id] for s in seqs], allowed)
         result = self.sampler.sample(logits, batch)
         for seq, exc in zip(seqs, result.errors):
             if exc is not None:
                 self._fault(seq, "sampling", exc)
+        if constrained:
+            advance_matchers(seqs, result.tokens, self._faults, self._fault)
         faults = self._faults
         return [sample for sample in zip(seqs, result.tokens, result.logprobs) if sample[0] not in faults]

@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--enable-prompt-tokens-details", action="store_true",
       help="accepted for vLLM compatibility: usage.prompt_tokens_details.cached_tokens is always reported")
+    a("--enable-auto-tool-choice", action="store_true",
+      help="let the model call tools on its own (tool_choice auto); needs --tool-call-parser")
+    a("--tool-call-parser", default=None,
+      help="how tool calls are written in the model's text: hermes, llama3_json, pythonic, mistral (or a plugin's) "
+      "(default: none)%(default).0s")
+    a("--reasoning-parser", default=None,
+      help="split the thinking into reasoning_content: deepseek_r1, qwen3 (or a plugin's) (default: none)%(default).0s")
     add_engine_arguments(parser, prefix_caching=True)
 
 
@@ -100,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     config = engine_config(args)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("engine: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     engine = Engine(config)
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
@@ -117,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                          body_timeout=args.body_timeout, timeout_keep_alive=args.timeout_keep_alive,
                          limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs,
                          served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
-                         metrics_prefix=args.metrics_prefix)
+                         metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -137,7 +148,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 body_timeout: float = 30.0, timeout_keep_alive: float = 5.0, limit_concurrency: int | None = 1024,
                 enable_docs: bool = False, served_model_names: list[str] | None = None,
                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
-                metrics_prefix: str = "pagedkv") -> Any:
+                metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
+                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -153,7 +165,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
     state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
                         max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
                         served_model_names=served_model_names, sampling_defaults=sampling_defaults,
-                        max_logprobs=max_logprobs)
+                        max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
+                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug", http=guarded_protocol(header_timeout),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import logging
 import time
@@ -44,6 +45,7 @@ from pagedkv.serve.protocol import (
 )
 from pagedkv.serve.responses import Job, collect, stream_events
 from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.structured_request import Parsers, compile_check, request_constraint
 from pagedkv.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("pagedkv.serve")
@@ -69,6 +71,9 @@ class ServerState:
     served_model_names: list[str] | None = None
     sampling_defaults: dict[str, Any] | None = None
     max_logprobs: int = 20
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -88,6 +93,7 @@ class ServerState:
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
+        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -282,19 +288,26 @@ async def _completions(state: ServerState, request: Request) -> Response:
     echo = None
     if body.echo:
         echo = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state, prompts)
-    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False, echo=echo)
+    structured = _fields(request_constraint, body, None, [])
+    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False, echo=echo,
+                         structured=structured)
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
     body = await _body(state, request, ChatCompletionRequest)
+    tools, choice = _fields(body.tool_setup)
+    _fields(state.parsers.check_choice, choice)
+    structured = _fields(request_constraint, body, choice, tools)
     conversation = body.conversation()
     _check_chars("messages", sum(len(m["content"]) for m in conversation), state)
+    arguments = {**body.template_arguments(), "tools": tools or None}
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, state, conversation,
-                                     body.template_arguments(), body.add_special_tokens)
+    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, state, conversation, arguments,
+                                     body.add_special_tokens)
     wanted = body.wanted_max_tokens()
     echo = [body.echo_text()] if body.echo else None
-    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True, echo=echo)
+    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True, echo=echo,
+                         structured=structured, shaper=state.parsers.shaper(choice))
 
 
 def _check_chars(field: str, chars: int, state: ServerState) -> None:
@@ -337,6 +350,14 @@ def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]
     return [p if isinstance(p, str) else decode_ids(state, p) for p in prompts]
 
 
+def _fields(check: Any, *args: Any) -> Any:
+    """``check(*args)``, a ``FieldError`` answered 400 naming its field."""
+    try:
+        return check(*args)
+    except FieldError as exc:
+        raise InvalidField(exc.param, exc.message) from None
+
+
 def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
     if len(ids) >= state.max_model_len:
         raise InvalidField("prompt", f"the prompt has {len(ids)} tokens; this model's context is "
@@ -347,7 +368,8 @@ def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
-                  max_tokens: int | None, explicit: bool, chat: bool, echo: list[str] | None = None) -> Response:
+                  max_tokens: int | None, explicit: bool, chat: bool, echo: list[str] | None = None,
+                  structured: Any = (None, None), shaper: Any = None) -> Response:
     if body.model not in (None, "", *state.served_model_names):
         raise InvalidField("model", f"the model {body.model!r} does not exist; this server has "
                            f"{state.model_name!r}", 404, "not_found_error")
@@ -379,11 +401,18 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
                            f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
     if not state.engine.has_room(sequences):
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
+    constraint, field = structured
+    if constraint is not None:
+        try:
+            await compile_check(state.engine.engine, constraint, field)
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
+        params = dataclasses.replace(params, structured=constraint)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
               echo=echo, prompt_ids=prompts if body.return_token_ids else None,
-              continuous_usage=body.continuous_usage)
+              shaper=shaper, continuous_usage=body.continuous_usage)
     options = body.engine_options()
     engine_prefix = f"{response_id}-{uuid.uuid4().hex[:8]}" if body.request_id else response_id
     try:

@@ -5,8 +5,9 @@ queued. Types are strict (``"5"``, ``true`` and ``5.0`` are not the integer 5; a
 is a number), ``null`` means "not set", and an unknown field is refused by name: a
 misspelt ``max_token`` must not silently run with the default length. Every field of vLLM's
 own request models is declared here and either implemented with vLLM's meaning or refused by
-name (``_REFUSED``), never silently ignored (see docs/vllm_compat.md). The penalty, bias and
-logprob fields go through ``sampling_fields`` (shared with batch files).
+name (``_REFUSED``), never silently ignored (see docs/vllm_compat.md). The structured-output and
+tool fields are declared in ``structured_protocol``. The penalty, bias and logprob fields go through
+``sampling_fields`` (shared with batch files).
 """
 
 from __future__ import annotations
@@ -14,24 +15,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
-
-
-class StrictBody(BaseModel):
-    """No coercion, unknown fields refused, and a field sent as ``null`` is a field not sent."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+from pagedkv.serve.strict_body import StrictBody
+from pagedkv.serve.structured_protocol import StructuredFields, ToolFields, ToolMessageFields
 
 
 class StreamOptions(StrictBody):
@@ -42,15 +32,8 @@ class StreamOptions(StrictBody):
 # --- vLLM's fields (issue 26): each implemented with vLLM's meaning, or refused by name -------------
 
 # Declared (so they are never silently dropped) but not implemented: a request that sets one answers
-# 400 naming it. Structured outputs (structured_outputs, guided_*) belong to their own module.
+# 400 naming it. Structured outputs (structured_outputs, guided_*) are in structured_protocol.
 _REFUSED = {
-    "structured_outputs": "structured outputs are not supported by pagedkv yet",
-    "guided_json": "guided decoding is not supported by pagedkv yet",
-    "guided_regex": "guided decoding is not supported by pagedkv yet",
-    "guided_choice": "guided decoding is not supported by pagedkv yet",
-    "guided_grammar": "guided decoding is not supported by pagedkv yet",
-    "guided_decoding_backend": "guided decoding is not supported by pagedkv yet",
-    "guided_whitespace_pattern": "guided decoding is not supported by pagedkv yet",
     "structural_tag": "structural tags are not supported by pagedkv",
     "logits_processors": "per-request logits processors are not supported by pagedkv (write a plugin)",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by pagedkv",
@@ -60,7 +43,7 @@ _REFUSED = {
     "mm_processor_kwargs": "pagedkv serves text-only models",
     "media_io_kwargs": "pagedkv serves text-only models",
     "prompt_embeds": "prompt embeddings are not supported by pagedkv; send text or token ids",
-    "reasoning_effort": "reasoning_effort is not supported by pagedkv (no reasoning parser)",
+    "reasoning_effort": "reasoning_effort is not supported by pagedkv",
 }
 
 
@@ -81,13 +64,6 @@ class _VllmFields(StrictBody):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
@@ -141,7 +117,7 @@ class _VllmFields(StrictBody):
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-class _Common(_VllmFields):
+class _Common(_VllmFields, StructuredFields):
     """Fields shared by /v1/completions and /v1/chat/completions (sampling, streaming, vLLM's extras).
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left unset take the
@@ -234,14 +210,11 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     add_special_tokens: bool = True  # e.g. BOS before a text prompt (vLLM's default for completions)
     prompt_embeds: Any = None
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.echo and (self.logprobs is not None or self.prompt_logprobs is not None):
             raise InvalidField("echo", "echo together with logprobs is not supported by pagedkv")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidField("response_format", "only response_format {'type': 'text'} is supported")
         if self.suffix:
             raise InvalidField("suffix", "suffix is not supported by pagedkv")
 
@@ -261,12 +234,10 @@ class CompletionRequest(_Common):
         return prompts
 
 
-class ChatMessage(StrictBody):
+class ChatMessage(ToolMessageFields):
     role: Literal["system", "user", "assistant", "tool", "developer"]  # request_rules.CHAT_ROLES
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, kept for the chat template
-    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (vLLM's shape: tool-call arguments parsed from JSON)."""
@@ -293,17 +264,13 @@ class ChatMessage(StrictBody):
         return rules.content_text(self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=rules.MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # only means something with tools (refused)
     reasoning_effort: Any = None
-    include_reasoning: bool = True  # no reasoning parser here: nothing to include or strip (vLLM's meaning)
+    include_reasoning: bool = True  # vLLM's meaning: with a reasoning parser, reasoning_content is returned
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default for chat)
@@ -314,12 +281,6 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise InvalidField("tools", "tool calling is not supported by pagedkv")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidField("tool_choice", "tool calling is not supported by pagedkv")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidField("response_format", "only response_format {'type': 'text'} is supported")
         if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
                 self.model_fields_set:
             raise InvalidField("continue_final_message", "continue_final_message and add_generation_prompt "

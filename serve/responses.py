@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
+from pagedkv.serve.chat_output import ChatDeltas
 from pagedkv.serve.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.protocol import error_body
 
@@ -35,6 +36,7 @@ class Job:
     metrics: Any
     logprobs: int | None = None  # top-k alternatives per token when the request asked for logprobs
     texts: Any = None  # TokenTexts: each token's own text and bytes, for the logprobs
+    shaper: Any = None  # ChatShaper: tool calls and reasoning parsed out of a chat answer (None: plain content)
     arrival: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
     echo: list[str] | None = None  # per prompt: text that starts each of its choices (vLLM's echo)
@@ -159,7 +161,11 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
             choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": job.logprobs_of(c),
                                       "finish_reason": finish, "stop_reason": c.stop_reason}
             text = (job.echo[p] if job.echo else "") + c.text
-            if job.chat:
+            if job.chat and job.shaper is not None:
+                choice["message"], calls = job.shaper.message(text)
+                if calls and c.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            elif job.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -211,11 +217,12 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             text_offset[index] = text_offset.get(index, 0) + sum(map(len, result["tokens"]))
         return result
 
+    deltas: dict[int, ChatDeltas] = {}  # choice index -> its parsed deltas (with a shaper)
     token_ids_sent: dict[int, int] = {}  # choice index -> token ids that went out (return_token_ids)
     started: set[int] = set()  # choices whose first chunk went out (echo, prompt_token_ids)
 
     def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False,
-              logprobs: Any = None, c: Any = None) -> str:
+              logprobs: Any = None, c: Any = None, fields: dict[str, Any] | None = None) -> str:
         extra: dict[str, Any] = {}
         if not role and index not in started:
             started.add(index)
@@ -231,7 +238,9 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             token_ids_sent[index] = len(c.token_ids)
         if job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
+            if fields is not None:
+                delta.update(fields)
+            elif text:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
@@ -265,11 +274,19 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                     end = len(c.text) if finished else max(sent.get(index, 0), len(c.text) - job.holdback)
                     text = c.text[sent.get(index, 0):end]
                     sent[index] = end
+                    fields = None
+                    if job.chat and job.shaper is not None:
+                        shaped = deltas.setdefault(index, ChatDeltas(job.shaper))
+                        fields = shaped.delta(c.text[:end], finished)
                     if finished:
                         done.add(index)
-                        yield chunk(index, text, c.finish_reason, c.stop_reason, logprobs=new_logprobs(index, c), c=c)
-                    elif text or (index not in started and job.echo):
-                        yield chunk(index, text, None, logprobs=new_logprobs(index, c), c=c)
+                        reason = c.finish_reason
+                        if fields is not None and deltas[index].calls and reason == "stop":
+                            reason = "tool_calls"
+                        yield chunk(index, text, reason, c.stop_reason, logprobs=new_logprobs(index, c), c=c,
+                                    fields=fields)
+                    elif (fields if fields is not None else text) or (index not in started and job.echo):
+                        yield chunk(index, text, None, logprobs=new_logprobs(index, c), c=c, fields=fields)
         except RequestFailed as exc:
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
             yield "data: [DONE]\n\n"

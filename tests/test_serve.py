@@ -190,7 +190,8 @@ def test_bad_chat_requests_answer_400_and_good_ones_still_work(served, client):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": chat("hi"), "max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"messages": chat("hi"), "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": chat("hi"), "tools": [{"type": "function"}]}, "tools[0].function.name"),
+        ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ]:
         response = httpx.post(url + "/v1/chat/completions", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -35,6 +35,25 @@ def keep_only(logits: torch.Tensor, allowed: SequenceOf[SequenceOf[int] | None])
             mask = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
             mask[torch.tensor(list(ids), dtype=torch.long, device=logits.device)] = False
             logits[r].masked_fill_(mask, NEG_INF)
+def apply_allowed_tokens(logits: torch.Tensor, allowed: SequenceOf[torch.Tensor | None]) -> None:
+    """Row ``r`` may produce only the tokens whose bit is set in ``allowed[r]`` (a packed int32 mask row from a
+    grammar, see ``grammar_backend``; None = unconstrained). One unpack and one masked fill for all such rows;
+    tokens past the mask's width are disallowed."""
+    rows = [r for r, mask in enumerate(allowed) if mask is not None]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    packed = torch.stack([allowed[r] for r in rows]).to(device)
+    bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    keep = bits.view(len(rows), -1).bool()
+    if keep.shape[1] < vocab:
+        keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[1]), value=False)
+    keep = keep[:, :vocab]
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~keep, NEG_INF)
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    logits[index] = logits[index].masked_fill_(~keep, NEG_INF)
 
 
 def add_logit_bias(logits: torch.Tensor, biases: SequenceOf[dict[int, float]]) -> None:

@@ -1,7 +1,7 @@
 """Picks next tokens for a whole batch with tensor ops, keeping per-request seeded generators.
 
-Order (vLLM's): banned tokens (min_tokens, bad words), allowed tokens, logit bias, penalties; greedy rows
-take the argmax there.
+Order (vLLM's): banned tokens (min_tokens, bad words), allowed tokens (allowed_token_ids), the grammar's
+allowed tokens (structured outputs), logit bias, penalties; greedy rows take the argmax there.
 Sampled rows then go through temperature, min-p, top-k and top-p, and each draws one uniform number
 from its own generator: the token is where that number falls in the row's cumulative distribution
 (inverse CDF). Every row's arithmetic is independent of the others, so a seeded request gives the same
@@ -17,6 +17,7 @@ import torch
 
 from pagedkv.core.sample.logits_processors import (
     add_logit_bias,
+    apply_allowed_tokens,
     apply_min_p,
     apply_penalties,
     apply_temperature,
@@ -96,12 +97,13 @@ class Sampler:
             index = torch.tensor(rows, dtype=torch.long, device=logits.device)
             logits = logits[index]
             batch = SamplingBatch(*([getattr(batch, name)[r] for r in rows] for name in
-                                    ("params", "prompt_ids", "output_ids", "banned", "keys")))
+                                    ("params", "prompt_ids", "output_ids", "banned", "keys", "allowed")))
         params = batch.params
         scores = logits.clone()
         ban_tokens(scores, batch.banned)
         if any(p.allowed_token_ids is not None for p in params):
             keep_only(scores, [p.allowed_token_ids for p in params])
+        apply_allowed_tokens(scores, batch.allowed)
         add_logit_bias(scores, [p.logit_bias for p in params])
         apply_penalties(scores, params, batch.prompt_ids, batch.output_ids)
         chosen = scores.argmax(dim=-1)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.limits import check_cap
+from pagedkv.core.sample.structured_output import StructuredOutputs
 
 MAX_TOKENS_LIMIT = 1 << 20  # far beyond any context window; stops a typo from meaning "forever"
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs and OpenAI's top_logprobs cap
@@ -29,8 +30,9 @@ class SamplingParams:
     in the batch. ``n > 1`` asks for several samples sharing the prompt.
     Penalties follow vLLM: ``repetition_penalty`` (1 = off) over prompt and
     output tokens, ``presence_penalty`` / ``frequency_penalty`` (0 = off) over
-    output tokens. ``logprobs=k`` returns, per generated token, the sampled
-    token's log-probability and the ``k`` most likely ones; ``prompt_logprobs=k``
+    output tokens. ``structured`` (a :class:`StructuredOutputs`, or a dict of its fields) constrains the
+    output to a JSON schema, a regex, a choice or a Lark grammar. ``logprobs=k`` returns, per generated
+    token, the sampled token's log-probability and the ``k`` most likely ones; ``prompt_logprobs=k``
     the same for every prompt token after the first. Log-probabilities are those
     of the raw model logits, before any penalty, bias, temperature or filter
     (vLLM's default ``raw_logprobs``).
@@ -66,6 +68,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # the engine fills it
+    structured: StructuredOutputs | None = None  # output constrained to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if not self._plain():
@@ -96,6 +99,7 @@ class SamplingParams:
             and self.spaces_between_special_tokens is True and type(self.bad_words) is list and not self.bad_words
             and self.allowed_token_ids is None and self.truncate_prompt_tokens is None
             and type(self.bad_words_token_ids) is list and not self.bad_words_token_ids
+            and self.structured is None
         )
 
     def _check(self) -> None:
@@ -141,6 +145,7 @@ class SamplingParams:
             if value == 0:
                 raise RequestRejected("truncate_prompt_tokens must be >= 1 (or -1: the model's length), got 0")
             self.truncate_prompt_tokens = value
+        self.structured = StructuredOutputs.of(self.structured)
 
     def checked_copy(self) -> SamplingParams:
         """A copy checked again (fields may have been edited since construction) that shares no container

@@ -60,6 +60,8 @@ class RequestGroups:
                                      self.keys[parent.seq_id] + index, parent.prompt, parent.cache_salt)
             child.priority, child.arrival = parent.priority, parent.arrival
             allocator.fork(parent, child)
+            if parent.matcher is not None:  # the child goes on from the parent's grammar state
+                child.matcher = parent.matcher.copy()
             child.num_computed_tokens = computed
             scheduler.add_running(child)
             group.append(child)

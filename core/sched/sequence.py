@@ -16,6 +16,7 @@ _seq_ids = itertools.count()
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    COMPILING = "compiling"  # a constrained request waiting for its grammar, outside the scheduler
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
@@ -55,6 +56,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
     priority: int = 0  # lower runs first under the priority scheduler (vLLM's meaning)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
+    matcher: Any = field(default=None, repr=False)  # its grammar's state (structured outputs), fed every token
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,

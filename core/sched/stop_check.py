@@ -1,4 +1,4 @@
-"""When a sampled token ends a sequence: EOS, a stop token id, a stop string, or its length."""
+"""When a sampled token ends a sequence: EOS, a stop token id, a complete grammar, a stop string, or its length."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class StopCheck:
             result = ("stop", None)
         elif token in p.stop_token_ids:
             result = ("stop", token)
+        elif seq.matcher is not None and seq.matcher.is_terminated():  # the grammar is complete: only EOS is left
+            result = ("stop", None)
         elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             result = ("length", None)
         if p.stop and self.tokenizer is not None:
@@ -45,7 +47,7 @@ class StopCheck:
     def ends_by_length_only(self, seq: Sequence) -> bool:
         """True when no token can end ``seq`` early: its last step is known in advance."""
         p = seq.params
-        return not (p.stop_token_ids or p.stop or self.eos_token_ids)
+        return not (p.stop_token_ids or p.stop or self.eos_token_ids or p.structured)
 
     def banned(self, seq: Sequence) -> list[int]:
         """Token ids ``seq`` may not produce now: EOS and stop tokens before ``min_tokens``, and the token

@@ -1,0 +1,61 @@
+"""Constrained requests waiting for their grammar (vLLM's "waiting for FSM"), outside the scheduler.
+
+A constrained request's sequences wait here, status ``COMPILING``, holding no blocks, while the compile
+thread works; at the start of each step the ones whose grammar is ready get a matcher each and join the
+scheduler's waiting queue, and the ones whose grammar failed end with an error (that request alone).
+When nothing else can run the step waits briefly for a compile instead of spinning.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from pagedkv.core.errors import RequestRejected
+from pagedkv.core.sample.grammar_compiler import result_of
+from pagedkv.core.sched.sequence import Sequence, SequenceStatus
+
+IDLE_WAIT_S = 0.05  # at most this long per step when only compiles are pending (new requests get their turn)
+
+
+class GrammarGate:
+    def __init__(self) -> None:
+        self._parked: dict[str, tuple[Future, list[Sequence]]] = {}  # request id -> (compile, its sequences)
+
+    def __bool__(self) -> bool:
+        return bool(self._parked)
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def park(self, request_id: str, future: Future, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.status = SequenceStatus.COMPILING
+        self._parked[request_id] = (future, seqs)
+
+    def discard(self, request_id: str) -> None:
+        """The request was aborted while compiling."""
+        self._parked.pop(request_id, None)
+
+    def release(self, scheduler: Any, idle: bool) -> None:
+        """Move every request whose compile is done to ``scheduler`` (or fail it); with ``idle`` (nothing
+        else to run) first wait a little for one to finish."""
+        if not self._parked:
+            return
+        if idle:
+            wait([future for future, _ in self._parked.values()], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        for request_id, (future, seqs) in list(self._parked.items()):
+            if not future.done():
+                continue
+            del self._parked[request_id]
+            try:
+                grammar = result_of(future)
+                matchers = [grammar.matcher() for _ in seqs]
+            except Exception as exc:  # noqa: BLE001 - a failed compile ends this request alone
+                fault = exc if isinstance(exc, RequestRejected) else RuntimeError(f"{type(exc).__name__}: {exc}")
+                for seq in seqs:
+                    scheduler.fail(seq, fault)
+                continue
+            for seq, matcher in zip(seqs, matchers):
+                seq.matcher = matcher
+                scheduler.add(seq)

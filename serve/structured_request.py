@@ -1,0 +1,77 @@
+"""A request's constraint and answer shape, decided on the asyncio side before anything is queued.
+
+The constraint comes from ``response_format`` / ``structured_outputs`` / ``guided_*``, or from a forced
+``tool_choice``; it is compiled here, in a worker thread (the engine reuses the compiled grammar), so a
+schema the backend cannot compile answers 400 naming its field and the step loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedkv.core.errors import RequestRejected
+from pagedkv.core.plugin.plugin_manager import build_registry
+from pagedkv.core.sample.structured_output import StructuredOutputs
+from pagedkv.serve.chat_output import ChatShaper
+from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedkv.serve.tools import ToolChoice, forced_constraint
+
+
+class Parsers:
+    """The server's tool-call and reasoning parser factories, looked up once at start-up (a bad name fails then)."""
+
+    def __init__(self, pm: Any, tool_call_parser: str | None, auto_tool_choice: bool,
+                 reasoning_parser: str | None) -> None:
+        self.tool_call_parser = tool_call_parser
+        self.auto_tool_choice = auto_tool_choice
+        self.tool_factory = self.reasoning_factory = None
+        if tool_call_parser:
+            self.tool_factory = build_registry(pm, "tool call parser", "pagedkv_register_tool_parsers").get(
+                tool_call_parser).factory
+        if reasoning_parser:
+            self.reasoning_factory = build_registry(pm, "reasoning parser", "pagedkv_register_reasoning_parsers").get(
+                reasoning_parser).factory
+
+    def shaper(self, choice: ToolChoice | None) -> ChatShaper | None:
+        """How a chat answer is parsed (None: all of it is content)."""
+        tool_parser: Any = None
+        if choice is not None and choice.mode == "named":
+            tool_parser = NamedToolParser(choice.name or "")
+        elif choice is not None and choice.mode == "required":
+            tool_parser = RequiredToolParser()
+        elif choice is not None and choice.mode == "auto" and self.tool_factory is not None:
+            tool_parser = self.tool_factory()
+        reasoning = self.reasoning_factory() if self.reasoning_factory is not None else None
+        if tool_parser is None and reasoning is None:
+            return None
+        return ChatShaper(tool_parser, reasoning)
+
+    def check_choice(self, choice: ToolChoice) -> None:
+        if choice.mode == "auto" and not (self.auto_tool_choice and self.tool_factory is not None):
+            raise FieldError("tool_choice", '"auto" tool choice needs the server started with '
+                                            "--enable-auto-tool-choice and --tool-call-parser")
+
+
+def request_constraint(body: Any, choice: ToolChoice | None, tools: list[dict[str, Any]]
+                       ) -> tuple[StructuredOutputs | None, str | None]:
+    """(the constraint, the field it came from); raises ``FieldError``."""
+    structured, field = body.structured()
+    forced = forced_constraint(choice, tools) if choice is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise FieldError(field or "response_format", f"{field} cannot be combined with tool_choice "
+                                                         f"{choice.mode if choice else ''}")
+        return forced, "tool_choice"
+    return structured, field
+
+
+async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None) -> None:
+    """Compile in a worker thread; an uncompilable constraint raises ``FieldError`` naming ``field``."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(engine.check_structured, constraint)
+    except RequestRejected as exc:
+        raise FieldError(field or "structured_outputs", str(exc)) from None

@@ -1,0 +1,78 @@
+"""OpenAI ``tools`` and ``tool_choice``: checked, and turned into what the template and the grammar need.
+
+``tool_choice`` (vLLM's semantics): ``none`` renders the tools but parses nothing; ``auto`` (the default when
+tools are given) lets the model answer or call, parsed from its text by the server's ``--tool-call-parser``;
+``required`` constrains the output to a JSON array of ``{"name", "parameters"}`` calls, and a named function
+to that function's arguments, both with a grammar, so the calls always parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.core.sample.structured_output import StructuredOutputs
+from pagedkv.serve.sampling_fields import FieldError
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # none, auto, required, named
+    name: str | None = None  # the function, when named
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """The ``tools`` list, each ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
+    if not isinstance(tools, list):
+        raise FieldError("tools", "tools must be a list of function tools")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise FieldError(where, f"{where} must be a function tool: {{'type': 'function', 'function': {{...}}}}")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise FieldError(f"{where}.function.name", f"{where}.function needs a name")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise FieldError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema")
+        if function["name"] in seen:
+            raise FieldError(f"{where}.function.name", f"tool {function['name']!r} is defined twice")
+        seen.add(function["name"])
+    return tools
+
+
+def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return ToolChoice(choice)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
+                                        "{'type': 'function', 'function': {'name': ...}}")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise FieldError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+    return ToolChoice("named", name)
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> StructuredOutputs | None:
+    """The grammar of a ``required`` or named choice (None otherwise)."""
+    if choice.mode == "named":
+        tool = next(t for t in tools if t["function"]["name"] == choice.name)
+        return StructuredOutputs(json=_parameters(tool))
+    if choice.mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
