@@ -486,12 +486,14 @@ extern "C" {
 int pagedkv_cpu_lanes() { return kLanes; }
 const char* pagedkv_cpu_isa() { return kIsaName; }
 
-// Returns 0 on success, nonzero for arguments the kernel does not handle.
+// Returns 0 on success, nonzero for arguments the kernel does not handle. phases: which sequences
+// to compute (1: those with one query token, 2: those with more, 3: all); the others' output rows are
+// left alone, for the caller to fill (backend.py sends prefills to torch where that is faster).
 int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_cache,
                        const void* v_cache, void* out, const int32_t* block_tables, int64_t bt_stride,
                        const int32_t* context_lens, const int32_t* query_start_loc, int num_seqs, int num_heads,
                        int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,
-                       int query_tile, int threads) {
+                       int query_tile, int threads, int phases) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
   if (dtype != 0 && dtype != 1) return 2;
   Params p{dtype, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
@@ -501,13 +503,18 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
   threads = std::max(1, threads);
   // A unit takes every KV head of its tokens, so it reads each block as one contiguous
   // stretch; heads are split apart only when there are too few units to go round.
+  auto wanted = [&](int len) { return (phases & (len == 1 ? 1 : 2)) != 0; };
   int tiles = 0;
-  for (int s = 0; s < num_seqs; ++s) tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = query_start_loc[s + 1] - query_start_loc[s];
+    if (wanted(len)) tiles += (len + tile - 1) / tile;
+  }
   const int head_split = tiles >= 4 * threads ? 1 : num_kv_heads;
   std::vector<Unit> units;
   units.reserve(static_cast<size_t>(tiles) * head_split);
   for (int s = 0; s < num_seqs; ++s) {
     const int len = query_start_loc[s + 1] - query_start_loc[s];
+    if (!wanted(len)) continue;
     for (int t0 = 0; t0 < len; t0 += tile)
       for (int part = 0; part < head_split; ++part)
         units.push_back({s, t0, std::min(len, t0 + tile), part * num_kv_heads / head_split,

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("pagedkv")
@@ -131,20 +131,21 @@ def compile_library(target: Path, isa: str) -> float:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.pagedkv_cpu_attend.argtypes = [
-        i32, p, i64, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, i32, i32,
+        i32, p, i64, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, i32, i32, i32,
     ]
     lib.pagedkv_cpu_attend.restype = i32
-    lib.pagedkv_cpu_lanes.argtypes = []
-    lib.pagedkv_cpu_lanes.restype = i32
-    lib.pagedkv_cpu_isa.argtypes = []
-    lib.pagedkv_cpu_isa.restype = ctypes.c_char_p
+    if hasattr(lib, "pagedkv_cpu_lanes"):  # (a library built from an older source, for A/B runs, has neither)
+        lib.pagedkv_cpu_lanes.argtypes = []
+        lib.pagedkv_cpu_lanes.restype = i32
+        lib.pagedkv_cpu_isa.argtypes = []
+        lib.pagedkv_cpu_isa.restype = ctypes.c_char_p
     return lib
 
 
 _failed: dict[Path, str] = {}  # a build that failed is not retried by every new engine in this process
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(isa: str | None = None) -> ctypes.CDLL:
     """The compiled kernel for ``isa`` (default: the best this CPU runs), built on first use in this cache;
     raises :class:`BuildError` (also for a build this CPU cannot execute)."""
