@@ -99,8 +99,8 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
     store(row_sum + r * kLanes, load(row_sum + r * kLanes) * alpha[r] + sum);
   }
 
-  // P.V in slices of up to 4 vectors of the head dim, so R x slice accumulators stay in registers.
-  constexpr int kSlice = DT / kLanes < 4 ? DT / kLanes : 4;
+  // P.V in slices of up to kPvSlice vectors of the head dim, so R x slice accumulators stay in registers.
+  constexpr int kSlice = DT / kLanes < kPvSlice ? DT / kLanes : kPvSlice;
   for (int x0 = 0; x0 < DT; x0 += kSlice * kLanes) {
     vfloat a[R][kSlice];
     for (int r = 0; r < R; ++r)

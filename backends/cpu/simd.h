@@ -43,6 +43,8 @@ constexpr int kLaneBits = log2_of(kLanes);
 constexpr int kChunk = 4 * kLanes;  // keys per softmax chunk: 4 score vectors a row
 constexpr int kKeyVecs = kChunk / kLanes;
 constexpr int kRowBlock = kRegisters >= 32 ? 6 : 3;
+// P.V: kRowBlock x kPvSlice accumulators and kPvSlice vectors of a V row (AVX-512: 6 x 4 + 4; AVX2: 3 x 2 + 2).
+constexpr int kPvSlice = kRegisters >= 32 ? 4 : 2;
 // Decode: query heads per pass such that their queries fill at most half the registers.
 constexpr int decode_max_pass(int dt) {
   return dt * 2 <= kRegisters / 2 * kLanes ? (dt * 4 <= kRegisters / 2 * kLanes ? 4 : 2) : 1;
