@@ -82,7 +82,7 @@ def pagedkv_servers(backends: list[str], port: int, threads: int) -> list[Server
 
 
 def _model_dir() -> str:
-    from pagedkv.core.model_loader import resolve_model_dir
+    from pagedkv.core.model.model_loader import resolve_model_dir
 
     return str(resolve_model_dir(None))
 

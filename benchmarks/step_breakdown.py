@@ -53,7 +53,7 @@ def main() -> int:
     from workload import build_workload
 
     from pagedkv import LLM, SamplingParams
-    from pagedkv.core.model_loader import resolve_model_dir
+    from pagedkv.core.model.model_loader import resolve_model_dir
 
     path = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(path)

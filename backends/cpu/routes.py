@@ -77,7 +77,7 @@ def _seconds(backend, case) -> float:  # noqa: ANN001
 
 
 def _case(lens: list[int], q_lens: list[int]) -> tuple:
-    from pagedkv.core.attention_metadata import AttentionMetadata
+    from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
     block, heads, kv_heads, dim = 16, 9, 3, 64
     gen = torch.Generator().manual_seed(0)

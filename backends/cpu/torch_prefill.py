@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.backends.torch_ref.attention import attention_math
-from pagedkv.core.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 PlanRow = tuple[int, int, int, torch.Tensor, "torch.Tensor | None"]
 
