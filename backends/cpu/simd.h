@@ -39,12 +39,14 @@ constexpr int kLaneBits = log2_of(kLanes);
 
 // Register tiles. Prefill: kRowBlock query rows x kKeyVecs score vectors stay in registers, next to
 // the kKeyVecs vectors of one transposed key column and a broadcast (AVX-512: 6 x 4 + 4 + 1 = 29 of 32;
-// AVX2: 3 x 4 + 4 + 1 = 17 of 16, the key loads fold into the FMAs as memory operands).
+// AVX2: 2 x 4 + 4 + 1 = 13 of 16). Measured on AVX2 (Zen 3, SmolLM2 heads, thread CPU time, 1024-token
+// prompt / 256-token chunk over 768): 2 rows 26.5-34.3 / 14.5-15.1 ms, 3 rows 33.6-43.2 / 18.1-19.0,
+// 4 rows 32.9-39.1 / 16.1-18.2 (spilled); a P.V slice of 2 vectors instead of 4: 2 rows 30-39 / 17-20.
 constexpr int kChunk = 4 * kLanes;  // keys per softmax chunk: 4 score vectors a row
 constexpr int kKeyVecs = kChunk / kLanes;
-constexpr int kRowBlock = kRegisters >= 32 ? 6 : 3;
-// P.V: kRowBlock x kPvSlice accumulators and kPvSlice vectors of a V row (AVX-512: 6 x 4 + 4; AVX2: 3 x 2 + 2).
-constexpr int kPvSlice = kRegisters >= 32 ? 4 : 2;
+constexpr int kRowBlock = kRegisters >= 32 ? 6 : 2;
+// P.V: kRowBlock x kPvSlice accumulators and kPvSlice vectors of a V row (AVX-512: 6 x 4 + 4; AVX2: 2 x 4 + 4).
+constexpr int kPvSlice = 4;
 // Decode: query heads per pass such that their queries fill at most half the registers.
 constexpr int decode_max_pass(int dt) {
   return dt * 2 <= kRegisters / 2 * kLanes ? (dt * 4 <= kRegisters / 2 * kLanes ? 4 : 2) : 1;
