@@ -53,8 +53,8 @@ def routes_for(lib, isa: str, cache_file: Path | None) -> Routes:  # noqa: ANN00
 
 
 def measure(lib, repeats: int = 3) -> Routes:  # noqa: ANN001
-    """Kernel against reference, best of ``repeats`` (wall clock, alternating), on a prefill (1 x 512 tokens) and a decode (16 x 256
-    context) of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64, block 16)."""
+    """Kernel against reference, best of ``repeats`` (wall clock, alternating), on a prefill (1 x 512 tokens)
+    and a decode (16 x 256 context) of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64)."""
     from pagedkv.backends.cpu.backend import CpuBackend
     from pagedkv.backends.torch_ref import TorchBackend
 
