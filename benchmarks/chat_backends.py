@@ -8,6 +8,7 @@ backend produced the same greedy tokens.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,12 +43,14 @@ def main() -> int:
     tokens: dict[str, list[list[int]]] = {}
     for round_ in range(args.rounds):
         for name, llm in llms.items():
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(work.prompt_ids, params)
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             tokens[name] = [o.token_ids for o in outs]
             produced = sum(len(t) for t in tokens[name])
-            print(f"round {round_ + 1} {name:>6}: {produced} tokens in {wall:6.2f} s = {produced / wall:7.1f} tok/s")
+            print(f"round {round_ + 1} {name:>6}: {produced} tokens in {wall:6.2f} s = {produced / wall:7.1f} tok/s "
+                  f"(process CPU {cpu:6.2f} s = {produced / cpu:7.1f} tok/CPU-s), load {os.getloadavg()[0]:.1f}",
+                  flush=True)
     same = len({str(t) for t in tokens.values()}) == 1
     print(f"greedy tokens identical across backends: {same}")
     return 0 if same else 1

@@ -1,7 +1,8 @@
 """Equal work (issue 20) in one process: transformers ``generate`` against pagedkv ``cpu``, optionally also with an
 older build of the kernel, interleaved, with the time spent inside attention.
 
-Run: ``.venv/bin/python benchmarks/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]``.
+Run: ``.venv/bin/python benchmarks/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]
+[--torch]``.
 An old library is built from an earlier commit's source, e.g. ``git show REV:backends/cpu/attention.cpp >
 /tmp/old.cpp && g++ -O3 -march=native -fopenmp -fPIC -shared -std=c++17 /tmp/old.cpp -o /tmp/old.so`` (copy any
 header it includes beside it). The prompts, the ``generate`` call and the pagedkv call are those of
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--old-lib", help="a kernel library built from an earlier source, run as 'old'")
+    parser.add_argument("--torch", action="store_true", help="also pagedkv with the torch reference backend")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import test_equal_work as ew
@@ -66,6 +68,10 @@ def main() -> int:
             llm.engine.backend.lib = lib
         llm.engine.backend.attend = timed(llm.engine.backend.attend)
         systems[name] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
+    if args.torch:
+        llm = LLM(hf_model=paged, tokenizer=tokenizer, device="cpu", backend="torch")
+        llm.engine.backend.attend = timed(llm.engine.backend.attend)
+        systems["torch"] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
     for run in systems.values():
         run(prompts[:2])  # warm-up: lazy initialisation and the kernel build are not timed
 

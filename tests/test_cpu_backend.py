@@ -13,19 +13,29 @@ from conftest import GREEDY_MAX_NEW, hf_greedy
 from pagedkv import LLM, SamplingParams
 from pagedkv.backends.cpu import build
 
+# Every build of the kernel this machine can execute, and the route that sends prefills to torch
+# (taken where a build's prefill is slower than torch's); the AVX-512 build on a CPU without it is
+# still compiled (test_every_variant_compiles) but skipped here.
+BACKENDS = [*build.variants(), "generic/prefill-by-torch" if build.is_x86() else "native/prefill-by-torch"]
 
-@pytest.fixture(scope="module")
-def backend():
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
     from pagedkv.backends.cpu import CpuBackend
+    from pagedkv.backends.cpu.routes import Routes
 
+    isa, _, route = request.param.partition("/")
+    if not build.runnable(isa):
+        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
     try:
-        return CpuBackend()
+        lib = build.load(isa)
     except build.BuildError as exc:
         if build.compiler() is not None:  # a compiler that fails on our source is a bug, not a skip
             raise
         pytest.skip(f"no C++ compiler here, so no CPU attention kernel: {exc}")
-
-
+    if isa in build.LANES:  # the library is the build asked for
+        assert lib.pagedkv_cpu_isa().decode() == isa and lib.pagedkv_cpu_lanes() == build.LANES[isa]
+    return CpuBackend(lib, routes=Routes(prefill="torch") if route else Routes())
 
 
 def check(backend, seq_lens, query_lens, block_size=16, heads=4, kv_heads=2, dim=64, dtype=torch.float32,
@@ -197,7 +207,10 @@ MAX_NEW = GREEDY_MAX_NEW  # (transformers' greedy tokens for each tiny model: co
 # the plain equality test over architectures and block sizes runs for both backends in test_generate_matches_hf)
 
 
-def test_greedy_tokens_match_with_chunked_prefill_and_prefix_cache(backend, tiny_models, references):
+def test_greedy_tokens_match_with_chunked_prefill_and_prefix_cache(backend, tiny_models, references, monkeypatch):
+    from pagedkv.backends.cpu import plugin
+
+    monkeypatch.setattr(plugin, "_build", lambda config: backend)  # this build and route, in the whole engine
     prompts, refs = references
     llm = LLM(hf_model=tiny_models["qwen2"], device="cpu", backend="cpu", block_size=4, num_blocks=256,
               max_num_batched_tokens=7, enable_prefix_caching=True)
@@ -205,6 +218,7 @@ def test_greedy_tokens_match_with_chunked_prefill_and_prefix_cache(backend, tiny
     assert [o.token_ids for o in llm.generate(prompts, params)] == refs["qwen2"]
     assert [o.token_ids for o in llm.generate(prompts, params)] == refs["qwen2"]  # now over cached prefixes
     assert llm.engine.stats.steps > MAX_NEW + 64 // 7
+    assert llm.engine.backend is backend
 
 
 @pytest.mark.slow

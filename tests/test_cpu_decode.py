@@ -1,9 +1,11 @@
 """The cpu backend's decode kernel (units of one query token) against the float64 reference.
 
 `attention.cpp` sends every unit with a single query token and a head dim that is a whole number
-of 16-float vectors (32, 64, 128, 256) to `decode.h`: 16 keys per step, rows prefetched a few steps
-ahead, query heads in passes of up to 4 (2 at head dim 128, 1 at 256). These cases cross its step
-and prefetch-ring edges, split groups into several passes, and take both unit shapes: all KV heads
+of vectors (32, 64, 128, 256) to `decode.h`: one vector of keys per step (16 on AVX-512, 8 on AVX2,
+4 on the generic build; every build this CPU runs is tested, see the ``backend`` fixture), rows
+prefetched a few steps ahead, query heads in passes of up to 4 (AVX-512: 2 at head dim 128, 1 at 256;
+AVX2: 1 from head dim 64). These cases cross its step and prefetch-ring edges of every width, split
+groups into several passes, and take both unit shapes: all KV heads
 per unit (many sequences) and one KV head per unit (too few sequences to go round the threads),
 with one thread (where a unit also prefetches the next unit's first rows) and two. Other head dims
 take the general kernel; one case checks that they still do.
@@ -15,7 +17,8 @@ import pytest
 import torch
 from test_cpu_backend import backend, check  # noqa: F401 - the fixture is used by name
 
-STEP_EDGES = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 100, 257]
+# The first nine cross the step edges of every width (4, 8, 16 keys) and the 32-key prefetch distance.
+STEP_EDGES = [1, 4, 5, 8, 9, 16, 17, 32, 33, 2, 3, 7, 15, 31, 47, 48, 49, 64, 65, 100, 257]
 MANY = 9  # sequences: enough units to keep every KV head of a sequence in one unit (up to 2 threads)
 
 

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -74,59 +75,7 @@ struct Unit {
   int seq, t0, t1, h0, h1;  // query tokens [t0, t1) of one sequence, KV heads [h0, h1)
 };
 
-constexpr int kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-// 16 consecutive elements of a cache row as floats (bf16 widened in registers).
-template <typename T>
-inline vfloat load_row(const T* p);
-template <>
-inline vfloat load_row<float>(const float* p) {
-  return load(p);
-}
-template <>
-inline vfloat load_row<uint16_t>(const uint16_t* p) {
-  vhalf h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint wide = __builtin_convertvector(h, vuint) << 16;
-  vfloat f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-// The largest lane, by a tree of shuffles (GCC turns the plain loop into a serial chain of 15 scalar maxes).
-inline float max_lanes(vfloat v) {
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
-
-// The sum of the lanes, by the same tree.
-inline float add_lanes(vfloat v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
-
-inline vfloat splat(float x) { return vfloat{} + x; }
+#include "simd.h"
 
 // 2^x lane by lane, the polynomial of exp2_neg; lanes below -126 (masked keys are -inf) give exactly 0.
 inline vfloat exp2_neg_vec(vfloat x) {
@@ -161,9 +110,8 @@ inline float to_float<float>(float x) { return x; }
 template <>
 inline float to_float<uint16_t>(uint16_t x) { return bf16_to_float(x); }
 
-// Keys are taken in chunks of up to kChunk rows that may span several blocks, so the
+// Keys are taken in chunks of up to kChunk rows (simd.h) that may span several blocks, so the
 // softmax bookkeeping (max, rescale) is paid once per chunk whatever the block size.
-constexpr int kChunk = 64;
 
 // scores[m][j] = q[m] . k[j] for M query rows and n key rows.
 template <int DT>
@@ -181,56 +129,35 @@ void scores_dot(const float* q, int M, int d_rt, const float* const* k, int n, f
   }
 }
 
-// Sixteen dot products at once, for head dims that are whole vectors: the partial
-// vectors of 16 keys are summed by a shuffle tree into one vector of 16 scores
-// (a horizontal sum per key is a chain of dependent scalar adds).
-inline vfloat sum_lanes_of_16(const vfloat* v) {
-  vfloat w1[8], w2[4], w3[2];
-  for (int i = 0; i < 8; ++i)
-    w1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                    31);
-  for (int i = 0; i < 4; ++i)
-    w2[i] = __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
-                                    27) +
-            __builtin_shufflevector(w1[2 * i], w1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
-                                    31);
-  for (int i = 0; i < 2; ++i)
-    w3[i] = __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
-                                    29) +
-            __builtin_shufflevector(w2[2 * i], w2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
-                                    31);
-  return __builtin_shufflevector(w3[0], w3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(w3[0], w3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-
-// Output lane L of sum_lanes_of_16 is the sum of input vector kTreeInput[L].
-constexpr int kTreeInput[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
+// kLanes dot products at once, for head dims that are whole vectors: the partial vectors of
+// kLanes keys are summed by a shuffle tree into one vector of kLanes scores (a horizontal sum
+// per key is a chain of dependent scalar adds).
 template <int DT>
 void scores_dot_vec(const float* q, int M, const float* const* k, int n, float* s) {
   constexpr int NV = DT / kLanes;
-  vfloat part[16];
+  vfloat part[kLanes];
   for (int m = 0; m < M; ++m) {
     vfloat qm[NV];
     for (int i = 0; i < NV; ++i) qm[i] = load(q + m * DT + i * kLanes);
-    for (int j0 = 0; j0 < n; j0 += 16) {
-      for (int lane = 0; lane < 16; ++lane) {
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      for (int lane = 0; lane < kLanes; ++lane) {
         vfloat a = {};
         if (j0 + lane < n) {
           const float* kr = k[j0 + lane];
           for (int i = 0; i < NV; ++i) a += qm[i] * load(kr + i * kLanes);
         }
-        part[kTreeInput[lane]] = a;
+        part[tree_lane(lane)] = a;
       }
-      store(s + m * kChunk + j0, sum_lanes_of_16(part));
+      store(s + m * kChunk + j0, sum_lanes_tree(part));
     }
   }
 }
 
 // The same through a transposed copy of the chunk, vectorized over keys: worth the
-// transpose once many query rows share the chunk (prefill). Four query rows at a
-// time keep 4 x kChunk scores in registers, so each transposed K load feeds 4 FMAs.
+// transpose once many query rows share the chunk (prefill). kScoreRows query rows at a
+// time keep their scores in registers, so each transposed K load feeds kScoreRows FMAs.
+constexpr int kScoreRows = kRegisters >= 32 ? 4 : 2;
+
 template <int DT>
 void scores_transposed(const float* q, int M, int d_rt, const float* const* k, int n, float* s, float* kt) {
   const int d = DT ? DT : d_rt;
@@ -240,19 +167,19 @@ void scores_transposed(const float* q, int M, int d_rt, const float* const* k, i
     for (int x = 0; x < d; ++x) kt[x * kChunk + j] = 0.0f;
   constexpr int NV = kChunk / kLanes;
   int m = 0;
-  for (; m + 4 <= M; m += 4) {
-    vfloat acc[4][NV] = {};
+  for (; m + kScoreRows <= M; m += kScoreRows) {
+    vfloat acc[kScoreRows][NV] = {};
     const float* q0 = q + static_cast<int64_t>(m) * d;
     for (int x = 0; x < d; ++x) {
       const float* kx = kt + x * kChunk;
       vfloat kv[NV];
       for (int i = 0; i < NV; ++i) kv[i] = load(kx + i * kLanes);
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kScoreRows; ++r) {
         const float qx = q0[r * d + x];
         for (int i = 0; i < NV; ++i) acc[r][i] += qx * kv[i];
       }
     }
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < kScoreRows; ++r)
       for (int i = 0; i < NV; ++i) store(s + (m + r) * kChunk + i * kLanes, acc[r][i]);
   }
   for (; m < M; ++m) {
@@ -555,12 +482,18 @@ void dispatch_dim(const Params& p, const std::vector<Unit>& units, int threads) 
 
 extern "C" {
 
-// Returns 0 on success, nonzero for arguments the kernel does not handle.
+// The build's vector width in floats (16, 8 or 4) and its name: what build.py checks it loaded.
+int pagedkv_cpu_lanes() { return kLanes; }
+const char* pagedkv_cpu_isa() { return kIsaName; }
+
+// Returns 0 on success, nonzero for arguments the kernel does not handle. phases: which sequences
+// to compute (1: those with one query token, 2: those with more, 3: all); the others' output rows are
+// left alone, for the caller to fill (backend.py sends prefills to torch where that is faster).
 int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_cache,
                        const void* v_cache, void* out, const int32_t* block_tables, int64_t bt_stride,
                        const int32_t* context_lens, const int32_t* query_start_loc, int num_seqs, int num_heads,
                        int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,
-                       int query_tile, int threads) {
+                       int query_tile, int threads, int phases) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
   if (dtype != 0 && dtype != 1) return 2;
   Params p{dtype, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
@@ -570,13 +503,18 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
   threads = std::max(1, threads);
   // A unit takes every KV head of its tokens, so it reads each block as one contiguous
   // stretch; heads are split apart only when there are too few units to go round.
+  auto wanted = [&](int len) { return (phases & (len == 1 ? 1 : 2)) != 0; };
   int tiles = 0;
-  for (int s = 0; s < num_seqs; ++s) tiles += (query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = query_start_loc[s + 1] - query_start_loc[s];
+    if (wanted(len)) tiles += (len + tile - 1) / tile;
+  }
   const int head_split = tiles >= 4 * threads ? 1 : num_kv_heads;
   std::vector<Unit> units;
   units.reserve(static_cast<size_t>(tiles) * head_split);
   for (int s = 0; s < num_seqs; ++s) {
     const int len = query_start_loc[s + 1] - query_start_loc[s];
+    if (!wanted(len)) continue;
     for (int t0 = 0; t0 < len; t0 += tile)
       for (int part = 0; part < head_split; ++part)
         units.push_back({s, t0, std::min(len, t0 + tile), part * num_kv_heads / head_split,

@@ -6,6 +6,8 @@ import torch
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
+from pagedkv.backends.cpu.routes import TORCH, Routes, routes_for
+from pagedkv.backends.cpu.torch_prefill import attend_prefills
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
@@ -19,13 +21,19 @@ QUERY_TILE = 16
 
 class CpuBackend(TorchBackend):
     """Reads K/V blocks in place through the block table; GQA groups share each K/V row. Writing the
-    cache and the block copies/swaps are the reference's (inherited)."""
+    cache and the block copies/swaps are the reference's (inherited). A phase whose kernel path is
+    slower than torch's on this CPU (``routes``, see routes.py) goes to torch instead."""
 
     name = "cpu"
 
-    def __init__(self, lib=None) -> None:  # noqa: ANN001 - a ctypes library
+    def __init__(self, lib=None, routes: Routes | None = None) -> None:  # noqa: ANN001 - a ctypes library
         super().__init__("cpu")
         self.lib = lib if lib is not None else build.load()
+        isa = getattr(self.lib, "isa", None)  # (None: a library bound by hand, e.g. an older build for A/B runs)
+        if routes is None:
+            cache = build.library_path(isa).with_suffix(".routes.json") if isa else None
+            routes = routes_for(self.lib, isa, cache) if isa else Routes()
+        self.routes = routes
 
     def attend(
         self,
@@ -49,6 +57,9 @@ class CpuBackend(TorchBackend):
         check_window(window)
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if self.routes.decode == TORCH:
+            return super().attend(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+        prefill_by_torch = self.routes.prefill == TORCH and meta.max_query_len > 1
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu backend needs contiguous K/V caches")
         num_tokens, num_heads, head_dim = query.shape
@@ -64,11 +75,13 @@ class CpuBackend(TorchBackend):
             _DTYPES[k_cache.dtype], q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
             out.data_ptr(), tables.data_ptr(), tables.stride(0), ctx.data_ptr(), starts.data_ptr(), meta.num_seqs,
             num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], float(scale), int(window or 0),
-            float(softcap or 0.0), QUERY_TILE, torch.get_num_threads(),
+            float(softcap or 0.0), QUERY_TILE, torch.get_num_threads(), 1 if prefill_by_torch else 3,
         )
         if rc != 0:
             raise ValueError(f"cpu attention rejected the shapes: {num_heads} query heads, {k_cache.shape[2]} KV "
                              f"heads, head_dim {head_dim}, block size {k_cache.shape[1]} (code {rc})")
+        if prefill_by_torch:
+            attend_prefills(out, q, k_cache, v_cache, meta, scale, window, softcap)
         return out if out_dtype == out.dtype else out.to(out_dtype)
 
 

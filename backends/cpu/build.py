@@ -1,11 +1,16 @@
-"""Compile ``attention.cpp`` once per machine into the cache directory and load it with ctypes.
+"""Compile ``attention.cpp`` once per machine and instruction set into the cache directory and load it with ctypes.
 
 The kernel has a plain C interface, so it needs only a C++ compiler with OpenMP:
 no Python headers, no pybind11, no ninja, and a build takes a few seconds
 (``torch.utils.cpp_extension`` with ``torch/extension.h`` takes tens of seconds
-here). It is built with ``-march=native``, so the cache key includes the CPU's
-feature flags as well as the source and the flags: a cache shared between
-machines never hands one CPU another's binary.
+here). On x86 it is built once per instruction set with an explicit ``-march``
+(``x86-64-v4`` = AVX-512, ``x86-64-v3`` = AVX2+FMA, plain ``x86-64``), and the
+best one this CPU runs is loaded (chosen from its feature flags, as vLLM's and
+llama.cpp's CPU builds choose theirs). Any variant can be built and, where the
+CPU has the instructions, loaded on any machine, so the kernel tests cover every
+path a user's CPU could take. Elsewhere there is one ``-march=native`` build.
+The cache key includes the flags, the source and the CPU's feature flags
+(``-mtune=native``): a cache shared between machines never hands one CPU another's binary.
 """
 
 from __future__ import annotations
@@ -20,14 +25,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
-HEADERS = ("decode.h", "prefill.h")  # included by SOURCE: part of the cache key
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+HEADERS = ("simd.h", "decode.h", "prefill.h")  # included by SOURCE: part of the cache key
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+# Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
+X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512": (("-march=x86-64-v4", "-mtune=native"),
+               frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})),
+    "avx2": (("-march=x86-64-v3", "-mtune=native"),
+             frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})),
+    "generic": (("-march=x86-64", "-mtune=native"), frozenset()),
+}
+LANES = {"avx512": 16, "avx2": 8, "generic": 4}  # what pagedkv_cpu_lanes() of each build returns
 
 
 class BuildError(RuntimeError):
@@ -45,6 +59,37 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def variants() -> tuple[str, ...]:
+    """The builds this platform has, best first (``native`` off x86)."""
+    return tuple(X86_VARIANTS) if is_x86() else ("native",)
+
+
+def runnable(isa: str, cpu_flags: str | None = None) -> bool:
+    """Whether this CPU (or one with ``cpu_flags``) executes the ``isa`` build."""
+    if isa == "native":
+        return not is_x86()
+    flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
+    return is_x86() and X86_VARIANTS[isa][1] <= flags
+
+
+def best_isa(cpu_flags: str | None = None) -> str:
+    """The fastest build this CPU runs; ``$PAGEDKV_CPU_ISA`` overrides it (one that the CPU cannot run fails)."""
+    forced = os.environ.get("PAGEDKV_CPU_ISA")
+    if forced:
+        if forced not in variants() or not runnable(forced, cpu_flags):
+            raise BuildError(f"PAGEDKV_CPU_ISA={forced!r}: this CPU runs {[v for v in variants() if runnable(v)]}")
+        return forced
+    return next(v for v in variants() if runnable(v, cpu_flags))
+
+
+def march(isa: str) -> tuple[str, ...]:
+    return ("-march=native",) if isa == "native" else X86_VARIANTS[isa][0]
+
+
 def compiler() -> str | None:
     """The C++ compiler to use: ``$CXX`` or ``g++``/``c++`` on PATH (None: there is none)."""
     name = os.environ.get("CXX")
@@ -53,19 +98,22 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-def library_path() -> Path:
-    """Where the library for this source, these flags and this CPU lives."""
+def library_path(isa: str | None = None) -> Path:
+    """Where the ``isa`` build (default: the best for this CPU) of this source, these flags and this CPU lives."""
     from pagedkv.core.model.model_loader import cache_dir
 
+    isa = isa or best_isa()
     key = hashlib.sha256()
     sources = [SOURCE.read_bytes(), *((SOURCE.parent / name).read_bytes() for name in HEADERS)]
-    for part in (*sources, " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+    flags = " ".join((*FLAGS, *march(isa)))
+    for part in (*sources, flags.encode(), platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / "cpu_attention" / f"pagedkv_cpu_attention_{key.hexdigest()[:16]}.so"
+    return cache_dir() / "cpu_attention" / f"pagedkv_cpu_attention_{isa}_{key.hexdigest()[:16]}.so"
 
 
-def _compile(target: Path) -> float:
+def compile_library(target: Path, isa: str) -> float:
+    """Build the ``isa`` variant into ``target`` (whether or not this CPU runs it); seconds taken."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (set CXX or install g++)")
@@ -73,8 +121,8 @@ def _compile(target: Path) -> float:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.Popen([cxx, *FLAGS, str(SOURCE), "-o", str(out)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        cmd = [cxx, *FLAGS, *march(isa), str(SOURCE), "-o", str(out)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, stderr = _wait_saying_so(proc)
         if proc.returncode != 0:
             raise BuildError(f"{cxx} failed: {stderr.strip()[-2000:]}")
@@ -108,36 +156,47 @@ def _wait_saying_so(proc: subprocess.Popen) -> tuple[str, str]:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.pagedkv_cpu_attend.argtypes = [
-        i32, p, i64, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, i32, i32,
+        i32, p, i64, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, i32, i32, i32,
     ]
     lib.pagedkv_cpu_attend.restype = i32
+    if hasattr(lib, "pagedkv_cpu_lanes"):  # (a library built from an older source, for A/B runs, has neither)
+        lib.pagedkv_cpu_lanes.argtypes = []
+        lib.pagedkv_cpu_lanes.restype = i32
+        lib.pagedkv_cpu_isa.argtypes = []
+        lib.pagedkv_cpu_isa.restype = ctypes.c_char_p
     return lib
 
 
 _failed: dict[Path, str] = {}  # a build that failed is not retried by every new engine in this process
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
-    """The compiled kernel, built on first use in this cache; raises :class:`BuildError`."""
-    target = library_path()
+@cache
+def load(isa: str | None = None) -> ctypes.CDLL:
+    """The compiled kernel for ``isa`` (default: the best this CPU runs), built on first use in this cache;
+    raises :class:`BuildError` (also for a build this CPU cannot execute)."""
+    isa = isa or best_isa()
+    if not runnable(isa):
+        raise BuildError(f"this CPU cannot run the {isa} build of the CPU attention kernel")
+    target = library_path(isa)
     if target in _failed:
         raise BuildError(_failed[target])
     try:
-        return _load_or_build(target)
+        lib = _load_or_build(target, isa)
     except BuildError as exc:
         _failed[target] = str(exc)
         raise
+    lib.isa = isa
+    return lib
 
 
-def _load_or_build(target: Path) -> ctypes.CDLL:
+def _load_or_build(target: Path, isa: str) -> ctypes.CDLL:
     if target.exists():
         try:
             return _bind(ctypes.CDLL(str(target)))
         except OSError as exc:  # e.g. built against another libstdc++: build again
             log.warning("pagedkv: cached CPU attention library %s does not load (%s); rebuilding", target, exc)
-    seconds = _compile(target)
-    log.info("pagedkv: built the CPU attention kernel in %.1f s -> %s", seconds, target)
+    seconds = compile_library(target, isa)
+    log.info("pagedkv: built the %s CPU attention kernel in %.1f s -> %s", isa, seconds, target)
     try:
         return _bind(ctypes.CDLL(str(target)))
     except OSError as exc:

@@ -13,21 +13,21 @@
 //   run_unit samples sat on prefetch instructions); prefetching only in the scores
 //   phase left the memory idle during P.V (~1.2x slower than spreading it over both);
 //   prefetching into L1 evicts the rows in use (~1.7x slower).
-// - keys go 16 at a time; each K row is loaded once for all the group's query heads,
-//   and the 16 keys' dot products are summed by one shuffle tree per head, built
-//   as the keys come (a few vectors live, not 16 per head);
-// - the 16 scores stay in a vector: max, exp2 and the running sum are vector ops,
-//   one rescale of the accumulators per 16 keys; the sum is kept per lane and
+// - keys go kLanes at a time (16 on AVX-512, 8 on AVX2); each K row is loaded once for all
+//   the group's query heads, and the keys' dot products are summed by one shuffle tree per
+//   head, built as the keys come (a few vectors live, not kLanes per head);
+// - the step's scores stay in a vector: max, exp2 and the running sum are vector ops,
+//   one rescale of the accumulators per step; the sum is kept per lane and
 //   reduced once at the end;
 // - P.V loads each V row once for all the group's query heads (accumulators in
-//   registers, probabilities broadcast from a 16-float buffer);
+//   registers, probabilities broadcast from a one-vector buffer);
 // - bf16 rows are widened in registers, never copied.
-// Query heads of a group go in passes of at most 4 (2 at head dim 128, 1 at 256) so
-// their queries and accumulators stay in registers; the passes share the step's rows
+// Query heads of a group go in passes of at most decode_max_pass (AVX-512: 4, 2 at head dim 128,
+// 1 at 256; AVX2: 2 at head dim 32, else 1) so their queries and accumulators stay in registers; the passes share the step's rows
 // while they are in L1. Within a step one KV head at a time: reading each quad of rows
 // for all heads first (nearer address order) computed ~15% slower and read no faster.
 
-constexpr int kDecodeKeys = 16;   // keys per step: one shuffle tree
+constexpr int kDecodeKeys = kLanes;  // keys per step: one shuffle tree (simd.h)
 // Prefetch distance in keys, a multiple of kDecodeKeys (measured: 16..48 within noise, 64+ slower).
 constexpr int kDecodeAhead = 32;
 // __builtin_prefetch locality 1 = prefetcht2: into L2, not L1. Measured at batch 64, context 2048:
@@ -36,26 +36,6 @@ constexpr int kPrefetchLocality = 1;
 
 // Stand-in for the keys past the end of a partial step: zeros, never the cache's unused slots.
 alignas(64) const float kZeroRow[256] = {};
-
-// The shuffle tree of sum_lanes_of_16, one level at a time: level L adds pairs of
-// partial sums 16 >> L lanes apart and interleaves two inputs' results.
-inline vfloat tree1(vfloat a, vfloat b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-inline vfloat tree2(vfloat a, vfloat b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline vfloat tree3(vfloat a, vfloat b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline vfloat tree4(vfloat a, vfloat b) {
-  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-// Tree input i comes out in lane kTreeInput[i] (a bit reversal, its own inverse).
 
 // Online-softmax state of one query head: running max (log2 units), per-lane running sum.
 struct DecodeHead {
@@ -92,7 +72,21 @@ struct PrefetchCursor {
   }
 };
 
-// One step of up to 16 keys (n valid; rows past n point at kZeroRow) for GB query heads
+// The scores of inputs [base, base + 2^Depth) for GB heads, built depth first as the leaves come
+// (leaf(i, out) computes input i's partial vectors), so only log2(kLanes) partial sums a head are live.
+template <int GB, int Depth = kLaneBits, typename Leaf>
+inline void tree_of_leaves(Leaf& leaf, int base, vfloat* out) {
+  if constexpr (Depth == 0) {
+    leaf(base, out);
+  } else {
+    vfloat a[GB], b[GB];
+    tree_of_leaves<GB, Depth - 1>(leaf, base, a);
+    tree_of_leaves<GB, Depth - 1>(leaf, base + (1 << (Depth - 1)), b);
+    for (int g = 0; g < GB; ++g) out[g] = tree_level<(kLanes >> Depth)>(a[g], b[g]);
+  }
+}
+
+// One step of up to kDecodeKeys keys (n valid; rows past n point at kZeroRow) for GB query heads
 // of one KV head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf (or nullptr)
 // advanced once per key in each of the two phases.
 template <typename T, int DT, int GB>
@@ -104,7 +98,7 @@ inline void decode_step(const float* q, const T* const* kr, const T* const* vr, 
     for (int i = 0; i < NV; ++i) qv[g][i] = load(q + g * DT + i * kLanes);
 
   auto leaf = [&](int input, vfloat* out) {
-    const int j = kTreeInput[input];
+    const int j = tree_lane(input);
     if (pf != nullptr) pf->issue();
     vfloat kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = load_row<T>(kr[j] + i * kLanes);
@@ -114,32 +108,10 @@ inline void decode_step(const float* q, const T* const* kr, const T* const* vr, 
       out[g] = a;
     }
   };
-  // The tree over inputs 0..15 in order: a pair -> tree1, two pairs -> tree2, two of those -> tree3.
-  vfloat s[GB], half[GB];
-  for (int h = 0; h < 2; ++h) {
-    vfloat quarter[GB];
-    for (int qq = 0; qq < 2; ++qq) {
-      const int base = h * 8 + qq * 4;
-      vfloat a[GB], b[GB], p1[GB];
-      leaf(base, a);
-      leaf(base + 1, b);
-      for (int g = 0; g < GB; ++g) p1[g] = tree1(a[g], b[g]);
-      leaf(base + 2, a);
-      leaf(base + 3, b);
-      for (int g = 0; g < GB; ++g) {
-        const vfloat p2 = tree2(p1[g], tree1(a[g], b[g]));
-        if (qq == 0)
-          quarter[g] = p2;
-        else if (h == 0)
-          half[g] = tree3(quarter[g], p2);
-        else
-          s[g] = tree4(half[g], tree3(quarter[g], p2));
-      }
-    }
-  }
+  vfloat s[GB];
+  tree_of_leaves<GB>(leaf, 0, s);
 
-  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vint valid = lane < n;
+  const vint valid = lane_index() < n;
   const vfloat ninf = vfloat{} - INFINITY;
   alignas(64) float prob[GB][kDecodeKeys];
   float alpha[GB];
@@ -178,8 +150,7 @@ inline void decode_step(const float* q, const T* const* kr, const T* const* vr, 
     for (int i = 0; i < NV; ++i) store(acc + g * DT + i * kLanes, a[g][i]);
 }
 
-// Query heads per pass, so that their queries and accumulators stay in registers.
-constexpr int decode_max_pass(int dt) { return dt <= 64 ? 4 : (dt <= 128 ? 2 : 1); }
+// Query heads per pass (decode_max_pass, simd.h), so that their queries and accumulators stay in registers.
 
 template <typename T, int DT>
 inline void decode_pass(int gb, const float* q, const T* const* kr, const T* const* vr, int n, PrefetchCursor* pf,

@@ -12,51 +12,17 @@
 
 #pragma once
 
-constexpr int kRowBlock = 6;  // 6 rows x 4 score vectors + 4 K vectors + 1 broadcast fit 32 AVX-512 registers
-constexpr int kKeyVecs = kChunk / kLanes;
+// kRowBlock, kKeyVecs (register tiles) and kChunk come from simd.h, per instruction set.
 constexpr int kPrefillMinRows = 8;  // fewer rows than this do not pay for transposing each K chunk
 
-// In registers: afterwards lane i of r[l] is what lane l of r[i] was. Three rounds of two-source
-// shuffles (32-bit pairs, 64-bit pairs, 128-bit quarters twice): 64 shuffles for 256 elements,
-// against 256 scalar stores for the element-by-element transpose.
-inline void transpose_16x16(vfloat* r) {
-  vfloat t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13,
-                                       29);
-    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30,
-                                           15, 31);
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int h = 0; h < 2; ++h) {
-      const vfloat a = t[4 * i + h], b = t[4 * i + h + 2];
-      u[4 * i + 2 * h] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      u[4 * i + 2 * h + 1] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    }
-  // u[4i + e], quarter k: rows 4i..4i+3 of column 4k + e
-  for (int e = 0; e < 4; ++e) {
-    const vfloat ab01 = __builtin_shufflevector(u[e], u[4 + e], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const vfloat ab23 = __builtin_shufflevector(u[e], u[4 + e], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                                30, 31);
-    const vfloat cd01 = __builtin_shufflevector(u[8 + e], u[12 + e], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                                22, 23);
-    const vfloat cd23 = __builtin_shufflevector(u[8 + e], u[12 + e], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                                                29, 30, 31);
-    r[e] = __builtin_shufflevector(ab01, cd01, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    r[4 + e] = __builtin_shufflevector(ab01, cd01, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    r[8 + e] = __builtin_shufflevector(ab23, cd23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    r[12 + e] = __builtin_shufflevector(ab23, cd23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-}
-
-// kt[x][j] = k_j[x] for the chunk's n key rows (lanes j >= n are zero), 16 x 16 blocks at a time.
+// kt[x][j] = k_j[x] for the chunk's n key rows (lanes j >= n are zero), kLanes x kLanes blocks at a time.
 template <typename T, int DT>
 inline void transpose_chunk(const T* const* k, int n, float* kt) {
   for (int j0 = 0; j0 < kChunk; j0 += kLanes)
     for (int x0 = 0; x0 < DT; x0 += kLanes) {
-      vfloat r[16];
+      vfloat r[kLanes];
       for (int l = 0; l < kLanes; ++l) r[l] = j0 + l < n ? load_row<T>(k[j0 + l] + x0) : vfloat{};
-      transpose_16x16(r);
+      transpose_lanes(r);
       for (int x = 0; x < kLanes; ++x) store(kt + (x0 + x) * kChunk + j0, r[x]);
     }
 }
@@ -101,8 +67,7 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
         for (int l = 0; l < kLanes; ++l) s[r][i][l] = c.softcap * std::tanh(s[r][i][l] / c.softcap) * kLog2e;
   }
   if (c.masked) {
-    vint lane;
-    for (int l = 0; l < kLanes; ++l) lane[l] = l;
+    const vint lane = lane_index();
     const vfloat hidden = splat(-INFINITY);
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < kKeyVecs; ++i) {
@@ -134,8 +99,8 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
     store(row_sum + r * kLanes, load(row_sum + r * kLanes) * alpha[r] + sum);
   }
 
-  // P.V in slices of up to 4 vectors of the head dim, so R x slice accumulators stay in registers.
-  constexpr int kSlice = DT / kLanes < 4 ? DT / kLanes : 4;
+  // P.V in slices of up to kPvSlice vectors of the head dim, so R x slice accumulators stay in registers.
+  constexpr int kSlice = DT / kLanes < kPvSlice ? DT / kLanes : kPvSlice;
   for (int x0 = 0; x0 < DT; x0 += kSlice * kLanes) {
     vfloat a[R][kSlice];
     for (int r = 0; r < R; ++r)
@@ -153,7 +118,7 @@ void prefill_block(const float* q, const ChunkRows& c, float* acc, float* row_ma
   }
 }
 
-// The last M % kRowBlock rows of a head.
+// The last M % kRowBlock rows of a head (kRowBlock is at most 6).
 template <int DT>
 void prefill_tail(int rows, const float* q, const ChunkRows& c, float* acc, float* row_max, float* row_sum) {
   switch (rows) {

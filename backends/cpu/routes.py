@@ -1,0 +1,95 @@
+"""Which phases the compiled kernel runs and which go to torch, per build: ``auto`` must never pick a path
+slower than the torch reference for a phase on the machine it runs on.
+
+The AVX-512 and AVX2 builds have register-tiled decode and prefill units; measured against the reference
+(SmolLM2's shape, one thread, this AMD EPYC Zen 3 without AVX-512, load ~8): AVX2 prefill 1.4-1.5x faster,
+decode ~10x; AVX-512 was tuned on its own machine (1.22x transformers at equal work). Those are kept by
+their features. Any other build (plain x86-64, non-x86 ``-march=native``) is decided once by a
+micro-benchmark against the reference, cached beside the library: on this machine the plain x86-64 build
+decodes 3x faster than the reference but prefills ~0.6x, so its prefills go to torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pagedkv")
+
+FAST_BY_FEATURES = ("avx512", "avx2")
+KERNEL, TORCH = "kernel", "torch"
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Where each phase runs: ``"kernel"`` or ``"torch"``."""
+
+    decode: str = KERNEL
+    prefill: str = KERNEL
+
+
+def routes_for(lib, isa: str, cache_file: Path | None) -> Routes:  # noqa: ANN001 - a ctypes library
+    """The routes of the ``isa`` build: by features, else the cached (or a fresh) micro-benchmark."""
+    if isa in FAST_BY_FEATURES:
+        return Routes()
+    if cache_file is not None and cache_file.exists():
+        try:
+            return Routes(**json.loads(cache_file.read_text()))
+        except (ValueError, TypeError):
+            log.warning("pagedkv: ignoring an unreadable kernel route cache %s", cache_file)
+    routes = measure(lib)
+    log.info("pagedkv: the %s CPU attention build runs decode by %s, prefill by %s (measured once)",
+             isa, routes.decode, routes.prefill)
+    if cache_file is not None:
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(routes)))
+        tmp.replace(cache_file)
+    return routes
+
+
+def measure(lib, repeats: int = 3) -> Routes:  # noqa: ANN001
+    """Kernel against reference, best of ``repeats`` (wall clock, alternating), on a prefill (1 x 512 tokens)
+    and a decode (16 x 256 context) of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64)."""
+    from pagedkv.backends.cpu.backend import CpuBackend
+    from pagedkv.backends.torch_ref import TorchBackend
+
+    kernel, ref = CpuBackend(lib, routes=Routes()), TorchBackend("cpu")
+    verdict = {}
+    for phase, lens, q_lens in (("prefill", [512], [512]), ("decode", [256] * 16, [1] * 16)):
+        case = _case(lens, q_lens)
+        kernel.attend(*case), ref.attend(*case)  # warm
+        times = {"kernel": float("inf"), "torch": float("inf")}
+        for _ in range(repeats):  # alternating, best of each: a neighbour's burst hits both alike
+            times["kernel"] = min(times["kernel"], _seconds(kernel, case))
+            times["torch"] = min(times["torch"], _seconds(ref, case))
+        verdict[phase] = KERNEL if times["kernel"] <= times["torch"] else TORCH
+    return Routes(**verdict)
+
+
+def _seconds(backend, case) -> float:  # noqa: ANN001
+    started = time.perf_counter()
+    backend.attend(*case)
+    return time.perf_counter() - started
+
+
+def _case(lens: list[int], q_lens: list[int]) -> tuple:
+    from pagedkv.core.kv.attention_metadata import AttentionMetadata
+
+    block, heads, kv_heads, dim = 16, 9, 3, 64
+    gen = torch.Generator().manual_seed(0)
+    tables, first = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(list(range(first, first + count)))
+        first += count
+    k_cache = torch.randn(first, block, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(first, block, kv_heads, dim, generator=gen)
+    query = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    meta = AttentionMetadata.build(block_tables=tables, context_lens=[n - q for n, q in zip(lens, q_lens)],
+                                   query_lens=q_lens, block_size=block)
+    return query, k_cache, v_cache, meta, dim**-0.5

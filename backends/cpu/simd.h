@@ -1,0 +1,168 @@
+// The vector layer of the CPU kernel: one width per build, chosen by the -march the build gets
+// (build.py compiles one library per instruction set and loads the best one the CPU runs).
+//
+//   AVX-512 (x86-64-v4): 16 floats a vector, 32 registers
+//   AVX2+FMA (x86-64-v3): 8 floats, 16 registers
+//   anything else (SSE2, NEON): 4 floats, 16 registers
+//
+// Everything the kernels need that depends on the width lives here: the vector types, row loads
+// (load_row: one per cache element type, where a quantized cache would add its own), the shuffle
+// trees that sum or compare across lanes, the in-register transpose, and the register-tile sizes
+// the decode and prefill units use. The shuffle masks are computed at compile time from the width,
+// so one definition serves every build. Included by attention.cpp inside its anonymous namespace
+// (which includes <utility> for std::integer_sequence).
+
+#pragma once
+
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+constexpr const char* kIsaName = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+constexpr const char* kIsaName = "avx2";
+#else
+constexpr int kLanes = 4;
+constexpr int kRegisters = 16;
+constexpr const char* kIsaName = "generic";
+#endif
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
+constexpr int kLaneBits = log2_of(kLanes);
+
+// Register tiles. Prefill: kRowBlock query rows x kKeyVecs score vectors stay in registers, next to
+// the kKeyVecs vectors of one transposed key column and a broadcast (AVX-512: 6 x 4 + 4 + 1 = 29 of 32;
+// AVX2: 2 x 4 + 4 + 1 = 13 of 16). Measured on AVX2 (Zen 3, SmolLM2 heads, thread CPU time, 1024-token
+// prompt / 256-token chunk over 768): 2 rows 26.5-34.3 / 14.5-15.1 ms, 3 rows 33.6-43.2 / 18.1-19.0,
+// 4 rows 32.9-39.1 / 16.1-18.2 (spilled); a P.V slice of 2 vectors instead of 4: 2 rows 30-39 / 17-20.
+constexpr int kChunk = 4 * kLanes;  // keys per softmax chunk: 4 score vectors a row
+constexpr int kKeyVecs = kChunk / kLanes;
+constexpr int kRowBlock = kRegisters >= 32 ? 6 : 2;
+// P.V: kRowBlock x kPvSlice accumulators and kPvSlice vectors of a V row (AVX-512: 6 x 4 + 4; AVX2: 2 x 4 + 4).
+constexpr int kPvSlice = 4;
+// Decode: query heads per pass such that their queries fill at most half the registers.
+constexpr int decode_max_pass(int dt) {
+  return dt * 2 <= kRegisters / 2 * kLanes ? (dt * 4 <= kRegisters / 2 * kLanes ? 4 : 2) : 1;
+}
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vint lane_index() {
+  vint v;
+  for (int l = 0; l < kLanes; ++l) v[l] = l;
+  return v;
+}
+
+// kLanes consecutive elements of a cache row as floats (bf16 widened in registers).
+template <typename T>
+inline vfloat load_row(const T* p);
+template <>
+inline vfloat load_row<float>(const float* p) {
+  return load(p);
+}
+template <>
+inline vfloat load_row<uint16_t>(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint wide = __builtin_convertvector(h, vuint) << 16;
+  vfloat f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// --- shuffle trees --------------------------------------------------------------------------------
+// tree_level<H>(a, b): adds the lanes of each vector H apart (pairs of H-lane blocks) and interleaves
+// the two results in H-lane blocks: a's first block, b's first, a's second... Applied log2(kLanes)
+// times with H = kLanes / 2, ..., 1 it sums kLanes vectors into one vector of their kLanes sums,
+// input i landing in lane tree_lane(i) (the bit reversal of i).
+constexpr int tree_lo(int h, int o) { return ((o / h) % 2 ? kLanes : 0) + (o / h / 2) * 2 * h + o % h; }
+
+template <int H, int... I>
+inline vfloat tree_level_(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, tree_lo(H, I)...) + __builtin_shufflevector(a, b, (tree_lo(H, I) + H)...);
+}
+template <int H>
+inline vfloat tree_level(vfloat a, vfloat b) {
+  return tree_level_<H>(a, b, std::make_integer_sequence<int, kLanes>{});
+}
+
+constexpr int tree_lane(int i) {
+  int r = 0;
+  for (int b = 0; b < kLaneBits; ++b) r |= ((i >> b) & 1) << (kLaneBits - 1 - b);
+  return r;
+}
+
+// One vector of the kLanes lane sums of v[0..kLanes): lane l holds the sum of v[tree_lane(l)].
+template <int Depth = kLaneBits>
+inline vfloat sum_lanes_tree(const vfloat* v) {
+  if constexpr (Depth == 0) {
+    return v[0];
+  } else {
+    constexpr int half = 1 << (Depth - 1);
+    return tree_level<(kLanes >> Depth)>(sum_lanes_tree<Depth - 1>(v), sum_lanes_tree<Depth - 1>(v + half));
+  }
+}
+
+// Lanes reduced by a tree of shuffles (GCC turns the plain loop into a serial chain of scalar ops).
+template <int H, int... I>
+inline vfloat rotate_(vfloat v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, ((I + H) % kLanes)...);
+}
+template <int H = kLanes / 2>
+inline float max_lanes(vfloat v) {
+  if constexpr (H == 0) {
+    return v[0];
+  } else {
+    return max_lanes<H / 2>(vmax(v, rotate_<H>(v, std::make_integer_sequence<int, kLanes>{})));
+  }
+}
+template <int H = kLanes / 2>
+inline float add_lanes(vfloat v) {
+  if constexpr (H == 0) {
+    return v[0];
+  } else {
+    return add_lanes<H / 2>(v + rotate_<H>(v, std::make_integer_sequence<int, kLanes>{}));
+  }
+}
+
+// --- transpose --------------------------------------------------------------------------------------
+// kLanes x kLanes in registers: afterwards lane i of r[l] is what lane l of r[i] was. log2(kLanes) rounds;
+// round S swaps the off-diagonal S x S sub-blocks of every 2S x 2S block, two-source shuffles of row
+// pairs S apart (AVX-512: 64 shuffles for 256 elements; AVX2: 24 for 64).
+constexpr int swap_lo(int s, int l) { return (l & s) == 0 ? l : kLanes + l - s; }
+constexpr int swap_hi(int s, int l) { return (l & s) == 0 ? l + s : kLanes + l; }
+
+template <int S, int... I>
+inline void transpose_round(vfloat* r, std::integer_sequence<int, I...>) {
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & S) continue;
+    const vfloat a = r[i], b = r[i + S];
+    r[i] = __builtin_shufflevector(a, b, swap_lo(S, I)...);
+    r[i + S] = __builtin_shufflevector(a, b, swap_hi(S, I)...);
+  }
+}
+
+template <int S = 1>
+inline void transpose_lanes(vfloat* r) {
+  if constexpr (S < kLanes) {
+    transpose_round<S>(r, std::make_integer_sequence<int, kLanes>{});
+    transpose_lanes<S * 2>(r);
+  }
+}
