@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-num-seqs", type=int, default=128)
     run.add_argument("--max-num-batched-tokens", type=int, default=2048)
     run.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
+    run.add_argument("--kv-cache-dtype", default="auto",
+                     help="KV storage: auto (the model dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2")
     run.add_argument("--device", default="auto", help="cpu, cuda or auto")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes")
@@ -157,6 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -264,6 +267,7 @@ def capacity(engine: Any) -> dict:
         "backend": engine.config.backend,
         "device": engine.config.device,
         "dtype": str(engine.config.dtype).replace("torch.", ""),
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
     }
 
 

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=128)
     a("--max-num-batched-tokens", type=int, default=2048)
     a("--dtype", default="float32", help="float32, bfloat16, float16 (CUDA)")
+    a("--kv-cache-dtype", default="auto",
+      help="KV storage: auto (the model dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2")
     a("--device", default="auto", help="cpu, cuda or auto")
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-        device=args.device, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_copy_on_write=args.enable_copy_on_write, swap_space=args.swap_space, telemetry=args.telemetry,
         trace=args.trace,
     )

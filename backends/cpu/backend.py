@@ -10,6 +10,7 @@ from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+REFERENCE_DTYPES = (torch.float16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # no kernel path (yet)
 # Query tokens per work unit in a prefill chunk: with the group's heads, 16 x G query rows
 # share every K/V block the unit reads and every K chunk it transposes (SmolLM2, 2048-token
 # prompt, prefill path: 8 -> 66 ms, 16 -> 61, 32 -> 60 per layer; 32 halves the units a
@@ -42,7 +43,12 @@ class CpuBackend(TorchBackend):
 
         ``window`` w: a query at position p sees keys at positions in (p - w, p].
         ``softcap`` c: scores become ``c * tanh(score / c)`` before the softmax. None = off.
+        A float16 or 8-bit cache (``--kv-cache-dtype``), or one of another dtype than the query (the kernel
+        would round the query to the cache's), is read by the reference, dequantizing in its gather.
         """
+        if k_cache.device.type == "cpu" and (k_cache.dtype in REFERENCE_DTYPES or (
+                k_cache.dtype in _DTYPES and query.dtype in _DTYPES and query.dtype != k_cache.dtype)):
+            return super().attend(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
         if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
             raise ValueError(f"the cpu backend runs float32/bfloat16 caches on the CPU, got {k_cache.dtype} "
                              f"on {k_cache.device}")
