@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(256) pagedkv_copy_blocks(
 }
 
 // write_kv into an int8 cache (--kv-cache-dtype int8): each (token, KV head) row becomes head_dim int8
-// values and, in the two bytes after them, its bfloat16 scale (core/kv_dtype.py), bit for bit as the torch
+// values and, in the two bytes after them, its bfloat16 scale (core/kv/kv_dtype.py), bit for bit as the torch
 // reference: scale = bf16_rne(amax / 127), q = rint(x / scale) clamped to +-127 (0 and scale 0 for a zero
 // row). Rows are head_dim + 2 bytes, so only 2-byte stores are aligned: one thread per row, which is
 // plenty for the few rows a step writes. Grid (num_tokens), 128 threads.

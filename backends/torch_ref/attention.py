@@ -24,7 +24,7 @@ def write_kv(
 
     Slots built by :class:`AttentionMetadata` are known to be valid, so the engine's
     path never asks the device whether any is -1 (a host sync per layer on CUDA).
-    An 8-bit cache gets each row quantized with its scale (``core/kv_dtype.py``), in the same one scatter.
+    An 8-bit cache gets each row quantized with its scale (``core/kv/kv_dtype.py``), in the same one scatter.
     """
     if not slots_all_valid(slot_mapping):
         keep = slot_mapping >= 0

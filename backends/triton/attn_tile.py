@@ -106,7 +106,7 @@ def _kv_tile(
     k_rows = block * stride_kb + in_block * stride_ks + k_head
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
     k = k.to(tl.float32)
-    if QUANT:  # an 8-bit row's bf16 scale follows its values (core/kv_dtype.py): bf16 index = byte index / 2
+    if QUANT:  # an 8-bit row's bf16 scale follows its values (core/kv/kv_dtype.py): bf16 index = byte index / 2
         k = k * tl.load(k_scale_ptr + (k_rows + HEAD_DIM) // 2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     s = _dot(q, tl.trans(k), IEEE)  # [BLOCK_M, TILE_N]
     if SOFTCAP:
@@ -205,6 +205,8 @@ def attend_rows(
     window,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     kv_head,
     stride_kb,
@@ -225,6 +227,7 @@ def attend_rows(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """A program's query rows, loaded as fp32, through the online softmax over keys ``[kv_start, kv_end)``.
 
@@ -237,7 +240,7 @@ def attend_rows(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     return online_softmax_over_kv(
-        q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, window, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET,
+        q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, window, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_table_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+        stride_vd, kv_start, kv_end, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )

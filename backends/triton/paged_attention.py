@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.backends.base import check_window
-from pagedkv.backends.triton.attn_tile import interpreted, online_softmax_over_kv
+from pagedkv.backends.triton.attn_tile import attend_rows, interpreted
 from pagedkv.core.kv.kv_dtype import is_quantized, row_width
 
 LOG2E = 1.4426950408889634
@@ -92,39 +92,11 @@ def _paged_attention_kernel(
     # With a sliding window, the first row of this tile sees nothing below its own position - window + 1.
     kv_start = tl.where(window > 0, tl.maximum(context_len + q_tile_start - window + 1, 0), 0)
 
-    acc, m_i, l_i = online_softmax_over_kv(
-        q,
-        acc,
-        m_i,
-        l_i,
-        qk_scale,
-        cap_log2e,
-        q_pos,
-        window,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        v_scale_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_kd,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        stride_vd,
-        kv_start,
-        kv_end,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        SOFTCAP,
-        IEEE,
-        INTERPRET,
-        QUANT,
+    acc, m_i, l_i = attend_rows(
+        q_ptr, token * stride_qt + head * stride_qh, row_mask, stride_qd, qk_scale, cap_log2e, q_pos, window,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
+        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows that saw no key (none in a consistent batch) give 0, not NaN
     out = acc / l_i[:, None]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.backends.triton.attn_tile import interpreted, max_along, online_softmax_over_kv, sum_along
+from pagedkv.backends.triton.attn_tile import attend_rows, interpreted, max_along, sum_along
 from pagedkv.backends.triton.paged_attention import scale_view, score_args, use_ieee_dot, window_arg
 from pagedkv.core.kv.kv_dtype import is_quantized
 
@@ -84,39 +84,11 @@ def _split_kv_partial_kernel(
     mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     q_pos = tl.full([BLOCK_M], 0, dtype=tl.int32) + (seq_len - 1)  # the decode token is the last position
 
-    acc, m_i, l_i = online_softmax_over_kv(
-        q,
-        acc,
-        m_i,
-        l_i,
-        qk_scale,
-        cap_log2e,
-        q_pos,
-        window,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        v_scale_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_kd,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        stride_vd,
-        kv_start,
-        kv_end,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        SOFTCAP,
-        IEEE,
-        INTERPRET,
-        QUANT,
+    acc, m_i, l_i = attend_rows(
+        q_ptr, token * stride_qt + head * stride_qh, row_mask, stride_qd, qk_scale, cap_log2e, q_pos, window,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
+        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )
     # A non-empty split always has visible keys, so l_i > 0 on every real row.
     seq64 = seq.to(tl.int64)

@@ -4,7 +4,7 @@ One program per token writes all of its KV heads; slot ``-1`` (padding) is skipp
 No arithmetic touches the values: a row is loaded, converted to the cache dtype
 (a no-op when the dtypes match, so the write is bit-exact) and stored.
 
-An int8 cache (``QUANT``) quantizes in the same program, bit for bit as ``core/kv_dtype.py``: the row's
+An int8 cache (``QUANT``) quantizes in the same program, bit for bit as ``core/kv/kv_dtype.py``: the row's
 scale ``amax / 127`` rounded to bfloat16 by integer arithmetic (the interpreter's own cast truncates),
 ``x / scale`` (IEEE-rounded division), clamped and rounded half to even, and the scale stored in the two
 bytes after the row. fp8 caches are written by the reference's op (the interpreter's fp8 casts do not round

@@ -17,7 +17,7 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype  # the storage dtype (``core/kv_dtype.py``): the model's, a cast, or an 8-bit format
+    dtype: torch.dtype  # the storage dtype (``core/kv/kv_dtype.py``): the model's, a cast, or an 8-bit format
 
     def __post_init__(self) -> None:
         if is_quantized(self.dtype) and self.head_dim % 2:
