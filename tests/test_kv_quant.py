@@ -58,14 +58,14 @@ def test_write_kv_quantizes_each_row_into_its_slot_and_skips_minus_one(kv_dtype,
     assert flat_k[untouched].eq(0).all() and flat_v[untouched].eq(0).all()
 
 
-def _check(backend, seq_lens, query_lens, block_size, kv_dtype, tol=2e-5, **kw):
+def _check(backend, seq_lens, query_lens, block_size, kv_dtype, tol=2e-5, window=None, softcap=None, **kw):
     meta, q, k_cache, v_cache, keys, values = make_case(seq_lens, query_lens, block_size, kv_dtype=kv_dtype, **kw)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = backend.attend(q, k_cache, v_cache, meta, scale, **kw.get("attend", {}))
-    assert torch.isfinite(out).all(), "a NaN scale of an unused slot leaked into the output"
+    out = backend.attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    assert out.dtype == q.dtype and torch.isfinite(out).all(), "a NaN scale of an unused slot leaked into the output"
     start = 0
     for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
-        expected = reference(q[start : start + q_len], k, v, n - q_len, scale)
+        expected = reference(q[start : start + q_len], k, v, n - q_len, scale, window, softcap)
         torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tol, rtol=tol)
         start += q_len
 
@@ -77,6 +77,25 @@ def test_attention_reads_the_dequantized_cache(backend, kv_dtype, block_size):
     # decodes at block edges, a prefill chunk over cached context, a fresh prefill, GQA
     _check(backend, [1, 17, 40, 9], [1, 1, 20, 9], block_size, kv_dtype)
     _check(backend, [33, 16], [1, 16], block_size, kv_dtype, heads=6, kv_heads=3, dim=64)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_cpu_int8_decode_kernel_reads_the_dequantized_cache(block_size, dim):
+    # decode-only steps take the compiled int8 kernel (specialised head dims 64/128, generic 40), GQA 3:1
+    _check(CpuBackend(), [1, 17, 300, 16, 33], [1] * 5, block_size, torch.int8, heads=6, kv_heads=2, dim=dim)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (None, 5.0), (40, 2.0)])
+def test_cpu_int8_decode_kernel_window_and_softcap(window, softcap):
+    _check(CpuBackend(), [5, 50, 129], [1, 1, 1], 16, torch.int8, window=window, softcap=softcap, dim=64)
+
+
+def test_cpu_int8_decode_kernel_is_really_used(monkeypatch):
+    backend = CpuBackend()
+    meta, q, k_cache, v_cache, *_ = make_case([20], [1], 16, dim=64, kv_dtype=torch.int8)
+    monkeypatch.setattr(TorchBackend, "attend", lambda *a, **k: pytest.fail("fell back to the reference"))
+    assert torch.isfinite(backend.attend(q, k_cache, v_cache, meta, 0.125)).all()
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])

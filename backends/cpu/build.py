@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
-HEADERS = ("decode.h", "prefill.h")  # included by SOURCE: part of the cache key
+HEADERS = ("decode.h", "prefill.h", "decode_int8.h")  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -85,6 +85,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         i32, p, i64, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, f32, i32, i32,
     ]
     lib.pagedkv_cpu_attend.restype = i32
+    lib.pagedkv_cpu_decode_int8.argtypes = [
+        p, i64, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
+    ]
+    lib.pagedkv_cpu_decode_int8.restype = i32
     return lib
 
 
