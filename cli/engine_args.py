@@ -116,6 +116,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
     a("--dtype", default="float32",
       help="auto (the checkpoint's; float16 becomes bfloat16 on CPU), float32, bfloat16, float16 (CUDA) "
       "(default: %(default)s; vLLM's is auto)")
+    a("--kv-cache-dtype", default="auto",
+      help="KV storage: auto (the model dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2 (default: %(default)s)")
     a("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
     a("--seed", type=int, default=0, help="the engine's random seed (default: %(default)s)")
     a("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over N processes "
@@ -158,6 +160,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, enable_copy_on_write=args.enable_copy_on_write,
         swap_space=args.swap_space, telemetry=getattr(args, "telemetry", None), trace=getattr(args, "trace", None),

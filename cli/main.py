@@ -229,6 +229,7 @@ def capacity(engine: Any) -> dict:
         "backend": engine.config.backend,
         "device": engine.config.device,
         "dtype": str(engine.config.dtype).replace("torch.", ""),
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
     }
 
 

@@ -32,6 +32,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --gpu-memory (default 0.9)")
     p.add_argument("--num-params", type=float, default=None, help="with --gpu-memory: override the params estimate")
     p.add_argument("--dtype", default="bfloat16", help="KV and weight dtype size: bfloat16/float16 (2), float32 (4)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV storage: auto (= --dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -61,7 +63,8 @@ def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
     setup = SimSetup(
         model_config=cfg, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, dtype=args.dtype,
-        enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space, trace=args.trace,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        swap_space=args.swap_space, trace=args.trace,
         decode_lane=not args.no_decode_lane,
     )
     dtype_bytes(args.dtype)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ConfigError
+from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,6 +99,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     dtype: str | torch.dtype = "float32"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -109,6 +111,11 @@ class EngineConfig:
     structured_outputs_backend: str = "guidance"  # the grammar backend for constrained requests (llguidance)
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's storage dtype: ``kv_cache_dtype`` resolved (``auto`` is the model dtype)."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,6 +126,8 @@ class EngineConfig:
         self.dtype = parse_dtype(self.dtype)
         if self.dtype == torch.float16 and str(self.device).startswith("cpu"):
             raise ConfigError("float16 runs only on CUDA (CPU has no fast fp16 path); use float32 or bfloat16")
+        self.kv_cache_dtype = "auto" if self.kv_cache_dtype is None else str(self.kv_cache_dtype).lower()
+        parse_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
             raise ConfigError(f"block_size must be an integer in 1..256, got {self.block_size!r}")
         budgets = [x is not None for x in (self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization)]

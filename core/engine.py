@@ -160,7 +160,8 @@ class Engine:
 
     def capacity_line(self) -> str:
         """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
-        return capacity_line(self.num_blocks, self.spec, self.max_model_len, self.config.tensor_parallel_size)
+        return capacity_line(self.num_blocks, self.spec, self.max_model_len, self.config.tensor_parallel_size,
+                             self.config.kv_cache_dtype)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""

@@ -56,7 +56,7 @@ def check_device_memory(nbytes: int, device: str, what: str) -> None:
 def size_kv_cache(config: Any, hf_config: Any, model: Any, allocates: bool) -> tuple[KVCacheSpec, int, int]:
     """(per-rank spec, number of blocks, max_model_len) for ``config`` on this model; ``allocates``: the cache
     will really be allocated (its size is checked against the memory there is)."""
-    spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.dtype)
+    spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.kv_dtype)
     if config.tensor_parallel_size > 1 and allocates:  # each rank holds its share of the KV heads
         from pagedkv.core.dist.tensor_parallel import check_divisible, rank_spec
 

@@ -41,6 +41,7 @@ class SimSetup:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # as engine run's --kv-cache-dtype; auto: the dtype above
     enable_prefix_caching: bool = False
     swap_space: int | str | None = None
     allocator: str = "paged"
@@ -56,6 +57,7 @@ class SimSetup:
             allocator=self.allocator, block_size=self.block_size, num_blocks=self.num_blocks,
             kv_cache_memory=self.kv_cache_memory, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, dtype=dtype, device="cpu",
+            kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space, trace=self.trace,
             # a simulated trace is read back whole: a keyframe (every live request) every 1000 steps is plenty
             plugin_options={"telemetry": {"keyframe_steps": 1000, "keyframe_s": 60.0}} if self.trace else {},
@@ -230,11 +232,13 @@ def default_step_time(setup: SimSetup, engine: Any = None) -> StepTimeModel:
 
 
 def bytes_per_block(setup: SimSetup) -> int:
-    """The engine's own sizing (``KVCacheSpec``) for this setup's model, block size and dtype."""
+    """The engine's own sizing (``KVCacheSpec``) for this setup's model, block size and KV dtype."""
     from pagedkv.core.config import parse_dtype
     from pagedkv.core.kv.kv_cache import KVCacheSpec
+    from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 
     dtype = parse_dtype("bfloat16" if dtype_bytes(setup.dtype) == 2 else "float32")
+    dtype = parse_kv_cache_dtype(setup.kv_cache_dtype, dtype)
     return KVCacheSpec.from_model_config(setup.model_config, setup.block_size, dtype).bytes_per_block
 
 

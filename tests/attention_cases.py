@@ -7,6 +7,7 @@ import math
 import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.kv_dtype import byte_view, dequantize_rows, is_quantized, quantize_rows, row_width, split_cache
 
 
 def reference(q, k, v, context_len, scale, window=None, softcap=None):
@@ -26,22 +27,42 @@ def reference(q, k, v, context_len, scale, window=None, softcap=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0):
-    """Fresh random K/V in a NaN-poisoned paged cache, placed through shuffled block tables."""
+def poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype):
+    """A cache whose every slot reads as NaN: NaN values, or (8-bit) junk values with a NaN scale."""
+    cache = torch.empty((num_blocks, block_size, kv_heads, row_width(dim, kv_dtype)), dtype=kv_dtype)
+    if not is_quantized(kv_dtype):
+        return cache.fill_(float("nan"))
+    byte_view(cache).fill_(77)
+    split_cache(cache, dim)[1].fill_(float("nan"))
+    return cache
+
+
+def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0,
+              kv_dtype=None):
+    """Fresh random K/V in a NaN-poisoned paged cache, placed through shuffled block tables.
+
+    ``kv_dtype`` (default ``dtype``): the cache's storage dtype; an 8-bit one stores each row quantized, and
+    the returned keys/values are then the float64 dequantized rows, what attention must read."""
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     needed = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(needed) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache = poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype)
+    v_cache = poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype)
     tables, keys, values = [], [], []
     for n, nb in zip(seq_lens, needed):
         table = [order.pop() for _ in range(nb)]
         k = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
         v = torch.randn(n, kv_heads, dim, generator=gen).to(dtype)
+        if is_quantized(kv_dtype):
+            packed_k, packed_v = quantize_rows(k, kv_dtype), quantize_rows(v, kv_dtype)
+            k, v = dequantize_rows(packed_k, dim, torch.float64), dequantize_rows(packed_v, dim, torch.float64)
+        else:
+            k, v = packed_k, packed_v = k.to(kv_dtype), v.to(kv_dtype)
         for pos in range(n):
-            k_cache[table[pos // block_size], pos % block_size] = k[pos]
-            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+            byte_view(k_cache)[table[pos // block_size], pos % block_size] = byte_view(packed_k[pos])
+            byte_view(v_cache)[table[pos // block_size], pos % block_size] = byte_view(packed_v[pos])
         tables.append(table)
         keys.append(k)
         values.append(v)

@@ -143,6 +143,8 @@ CASES = [
     ("check_write_then_attend", "float16", {}),
     *[("check_write_kv", dt, {}) for dt in ("float32", "float16", "bfloat16")],
     ("check_write_kv", "float16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
+    *[("check_write_kv_int8", dt, {}) for dt in ("float32", "bfloat16")],
+    ("check_write_kv_int8", "float16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
     ("check_copy_blocks", "float32", {}),
     ("check_copy_blocks", "float16", {"block_size": 1, "num_kv_heads": 1, "head_dim": 3}),
     ("check_copy_blocks", "bfloat16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),

@@ -232,6 +232,40 @@ def check_write_kv(backend, device, dtype, block_size=16, num_kv_heads=2, head_d
     assert torch.equal(v_cache.cpu().view(-1, num_kv_heads, head_dim).nan_to_num(7.0), want_v.nan_to_num(7.0))
 
 
+def check_write_kv_int8(backend, device, dtype, block_size=16, num_kv_heads=2, head_dim=64):
+    """An int8 cache: the kernel's bytes (values and bf16 scales) equal the torch reference's write, and
+    attention over it equals a float64 attention over the dequantized rows."""
+    from pagedkv.backends.torch_ref.attention import write_kv as reference_write_kv
+    from pagedkv.core.kv.kv_dtype import dequantize_rows
+
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, tokens = 6, 2 * block_size
+    shape = (num_blocks, block_size, num_kv_heads, head_dim + 2)
+    key = torch.randn((tokens, num_kv_heads, head_dim), generator=gen) * torch.logspace(-3, 3, tokens)[:, None, None]
+    key[3, 0] = 0.0  # a zero row: scale 0
+    value = torch.randn((tokens, num_kv_heads, head_dim), generator=gen)
+    key, value = key.to(dtype), value.to(dtype)
+    slots = torch.cat([torch.arange(block_size) + 4 * block_size, torch.arange(block_size) + block_size])
+    k_cache = torch.full(shape, 9, dtype=torch.int8, device=device)
+    v_cache = torch.full(shape, 9, dtype=torch.int8, device=device)
+    backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
+    want_k, want_v = torch.full(shape, 9, dtype=torch.int8), torch.full(shape, 9, dtype=torch.int8)
+    reference_write_kv(key, value, want_k, want_v, slots)
+    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+    seq_len = tokens - 5
+    meta = AttentionMetadata.build(block_tables=[[4, 1]], context_lens=[seq_len - 1], query_lens=[1],
+                                   block_size=block_size, device=device)
+    query = torch.randn((1, 2 * num_kv_heads, head_dim), generator=gen).to(dtype)
+    out = backend.attend(query.to(device), k_cache, v_cache, meta, 0.125).cpu().double()
+    k = dequantize_rows(want_k[[4, 1]].reshape(tokens, num_kv_heads, -1)[:seq_len], head_dim, torch.float64)
+    v = dequantize_rows(want_v[[4, 1]].reshape(tokens, num_kv_heads, -1)[:seq_len], head_dim, torch.float64)
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    probs = (torch.einsum("hd,khd->hk", query[0].double(), k) * 0.125).softmax(-1)
+    expected = torch.einsum("hk,khd->hd", probs, v)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[0], expected, atol=atol, rtol=rtol)
+
+
 def check_write_then_attend(backend, device, dtype):
     """The engine's order: write this step's rows through write_kv, then attend over the cache."""
     case = make_case(context_lens=[0, 18, 4], query_lens=[9, 1, 6], dtype=dtype, device=device)
@@ -334,6 +368,11 @@ def test_long_context_partitions(backend, partition_size):
             check_mixed(backend, "cuda", dtype, long=3000)
     finally:
         backend.partition_size = None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_cache_write_and_read(backend, dtype):
+    check_write_kv_int8(backend, "cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -528,3 +528,5 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
 }
 
 }  // extern "C"
+
+#include "decode_int8.h"  // the int8-cache decode kernel (--kv-cache-dtype int8), on its own

@@ -12,6 +12,7 @@ from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+REFERENCE_DTYPES = (torch.float16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # no kernel path (yet)
 # Query tokens per work unit in a prefill chunk: with the group's heads, 16 x G query rows
 # share every K/V block the unit reads and every K chunk it transposes (SmolLM2, 2048-token
 # prompt, prefill path: 8 -> 66 ms, 16 -> 61, 32 -> 60 per layer; 32 halves the units a
@@ -50,7 +51,16 @@ class CpuBackend(TorchBackend):
 
         ``window`` w: a query at position p sees keys at positions in (p - w, p].
         ``softcap`` c: scores become ``c * tanh(score / c)`` before the softmax. None = off.
+        An int8 cache (``--kv-cache-dtype int8``) in a decode-only step goes to the int8 decode kernel
+        (``decode_int8.h``: 1 byte per value read, widened in registers); a float16 or fp8 cache, an int8 one
+        in a step with prefill chunks, or a cache of another dtype than the query (the kernel would round the
+        query to the cache's) is read by the reference, dequantizing in its gather.
         """
+        if k_cache.dtype == torch.int8 and k_cache.device.type == "cpu" and meta.num_tokens == meta.num_seqs:
+            return self._decode_int8(query, k_cache, v_cache, meta, scale, window, softcap)
+        if k_cache.device.type == "cpu" and (k_cache.dtype in REFERENCE_DTYPES or (
+                k_cache.dtype in _DTYPES and query.dtype in _DTYPES and query.dtype != k_cache.dtype)):
+            return super().attend(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
         if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
             raise ValueError(f"the cpu backend runs float32/bfloat16 caches on the CPU, got {k_cache.dtype} "
                              f"on {k_cache.device}")
@@ -83,6 +93,39 @@ class CpuBackend(TorchBackend):
         if prefill_by_torch:
             attend_prefills(out, q, k_cache, v_cache, meta, scale, window, softcap)
         return out if out_dtype == out.dtype else out.to(out_dtype)
+
+
+    def _decode_int8(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+        check_window(window)
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        num_tokens, num_heads, head_dim = query.shape
+        q = query.float()
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+        if num_tokens == 0:
+            return out.to(query.dtype)
+        tables, seq_lens = _decode_index_tensors(meta)
+        rc = self.lib.pagedkv_cpu_decode_int8(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), meta.num_seqs, num_heads, k_cache.shape[2],
+            head_dim, k_cache.shape[1], float(scale), int(window or 0), float(softcap or 0.0), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"cpu int8 decode rejected the shapes: {num_heads} query heads, {k_cache.shape[2]} KV "
+                             f"heads, head_dim {head_dim} (code {rc})")
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _decode_index_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 contiguous CPU block tables and sequence lengths, once per step."""
+    cached = meta.backend_cache.get("cpu.decode_index")
+    if cached is None:
+        cached = tuple(t.to(device="cpu", dtype=torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens))
+        meta.backend_cache["cpu.decode_index"] = cached
+    return cached
 
 
 def _index_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

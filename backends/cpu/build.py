@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
-HEADERS = ("simd.h", "decode.h", "prefill.h")  # included by SOURCE: part of the cache key
+HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h")  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
 X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
@@ -164,6 +164,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_lanes.restype = i32
         lib.pagedkv_cpu_isa.argtypes = []
         lib.pagedkv_cpu_isa.restype = ctypes.c_char_p
+    if hasattr(lib, "pagedkv_cpu_decode_int8"):  # (absent from libraries built before the int8 cache)
+        lib.pagedkv_cpu_decode_int8.argtypes = [
+            p, i64, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
+        ]
+        lib.pagedkv_cpu_decode_int8.restype = i32
     return lib
 
 

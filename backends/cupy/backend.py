@@ -21,8 +21,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cupy import compile as kc
+from pagedkv.backends.torch_ref import attention as reference
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.kv_dtype import is_quantized, row_width
 
 NEEDS_CUDA = "the cupy backend needs a CUDA device; use --backend torch"
 _THREADS = 128
@@ -221,7 +223,7 @@ class CupyBackend:
                 raise ValueError(f"cupy backend: cache on {cache.device}, expected {self.device}")
             if not cache.is_contiguous() or cache.data_ptr() % 16:
                 raise ValueError("cupy backend: KV caches must be contiguous and 16-byte aligned")
-        if k_cache.dtype not in kc.DTYPE_TAGS:
+        if k_cache.dtype not in kc.DTYPE_TAGS and not is_quantized(k_cache.dtype):
             raise ValueError(f"cupy backend: cache dtype {k_cache.dtype} is not supported")
 
     def _meta(self, meta: AttentionMetadata) -> dict[str, Any]:
@@ -262,26 +264,38 @@ class CupyBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Scatter ``key``/``value`` rows ``[T, Hkv, D]`` into their slots; slot -1 is skipped."""
+        """Scatter ``key``/``value`` rows ``[T, Hkv, D]`` into their slots; slot -1 is skipped.
+
+        An int8 cache is quantized by ``pagedkv_write_kv_int8`` (bit for bit as the reference); an fp8 cache
+        is written by the reference's op, which runs as torch kernels on the device."""
         self._check_cache(k_cache, v_cache)
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return
-        heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        if key.shape != (num_tokens, heads, head_dim) or value.shape != key.shape:
+        if is_quantized(k_cache.dtype) and k_cache.dtype != torch.int8:
+            reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
+        heads, head_dim = k_cache.shape[2], key.shape[-1]
+        if key.shape != (num_tokens, heads, head_dim) or value.shape != key.shape or (
+                k_cache.shape[3] != row_width(head_dim, k_cache.dtype)):
             raise ValueError(
                 f"cupy backend: key/value {tuple(key.shape)} do not match the cache rows {(heads, head_dim)}"
             )
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"cupy backend: {slot_mapping.shape[0]} slots for {num_tokens} tokens")
-        key = key.to(k_cache.dtype)
-        value = value.to(v_cache.dtype)
+        int8 = k_cache.dtype == torch.int8
+        if int8:  # quantized from the model's own dtype
+            source = key.dtype if key.dtype in kc.DTYPE_TAGS else torch.float32
+            key, value = key.to(source), value.to(source)
+        else:
+            key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         if key.stride(-1) != 1:
             key = key.contiguous()
         if value.stride(-1) != 1:
             value = value.contiguous()
         slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
-        names, module = self._cache_ops(k_cache.dtype)
+        names, module = self._cache_ops(key.dtype)
+        name = names.write_kv_int8 if int8 else names.write_kv
         with self._cupy.cuda.Device(self.device.index), self._stream():
             args = (
                 self._view(key),
@@ -296,8 +310,7 @@ class CupyBackend:
                 np.int64(value.stride(0)),
                 np.int64(value.stride(1)),
             )
-            kernel = module.functions[names.write_kv]
-            self._launch(kernel, names.write_kv, (num_tokens, 1, 1), (_THREADS, 1, 1), args)
+            self._launch(module.functions[name], name, (num_tokens, 1, 1), (_THREADS, 1, 1), args)
 
     def attend(
         self,
@@ -319,6 +332,8 @@ class CupyBackend:
         """
         check_window(window)
         self._check_cache(k_cache, v_cache)
+        if is_quantized(k_cache.dtype):  # no 8-bit kernel yet: the reference dequantizes in its gather, on the GPU
+            return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
             raise ValueError(
@@ -468,7 +483,7 @@ class CupyBackend:
             self._check_cache(k_cache, v_cache)
             block_bytes = k_cache[0].numel() * k_cache.element_size()
             by_shape.setdefault((block_bytes, k_cache.dtype), []).extend((k_cache, v_cache))
-        names, module = self._cache_ops(kv_caches[0][0].dtype)
+        names, module = self._cache_ops(self.dtype)  # the copies move words: any cache dtype
         with self._cupy.cuda.Device(self.device.index), self._stream():
             pairs_v = self._view(pairs)
             for (block_bytes, _), caches in by_shape.items():

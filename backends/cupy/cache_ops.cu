@@ -38,3 +38,39 @@ __global__ void __launch_bounds__(256) pagedkv_copy_blocks(
     const i64 dst = pairs[2 * static_cast<i64>(blockIdx.x) + 1] * words_per_block;
     for (i64 w = threadIdx.x; w < words_per_block; w += blockDim.x) cache[dst + w] = cache[src + w];
 }
+
+// write_kv into an int8 cache (--kv-cache-dtype int8): each (token, KV head) row becomes head_dim int8
+// values and, in the two bytes after them, its bfloat16 scale (core/kv/kv_dtype.py), bit for bit as the torch
+// reference: scale = bf16_rne(amax / 127), q = rint(x / scale) clamped to +-127 (0 and scale 0 for a zero
+// row). Rows are head_dim + 2 bytes, so only 2-byte stores are aligned: one thread per row, which is
+// plenty for the few rows a step writes. Grid (num_tokens), 128 threads.
+template <typename DT>
+__global__ void __launch_bounds__(128) pagedkv_write_kv_int8(
+    const typename DT::storage* __restrict__ key, const typename DT::storage* __restrict__ value,
+    signed char* __restrict__ k_cache, signed char* __restrict__ v_cache, const long long* __restrict__ slot_mapping,
+    int num_kv_heads, int head_dim, long long key_stride_t, long long key_stride_h, long long value_stride_t,
+    long long value_stride_h) {
+    using pagedkv::i64;
+    const int t = blockIdx.x;
+    const i64 slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int row = head_dim + 2;
+    for (int r = threadIdx.x; r < 2 * num_kv_heads; r += blockDim.x) {
+        const int h = r % num_kv_heads;
+        const bool is_v = r >= num_kv_heads;
+        const typename DT::storage* src = is_v ? value + t * value_stride_t + h * value_stride_h
+                                               : key + t * key_stride_t + h * key_stride_h;
+        signed char* dst = (is_v ? v_cache : k_cache) + (slot * num_kv_heads + h) * row;
+        float amax = 0.0f;
+        for (int d = 0; d < head_dim; ++d) amax = fmaxf(amax, fabsf(DT::to_float(src[d])));
+        unsigned int bits = __float_as_uint(amax / 127.0f);
+        bits = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
+        const float scale = __uint_as_float(bits);
+        const float divisor = scale > 0.0f ? scale : 1.0f;
+        for (int d = 0; d < head_dim; ++d) {
+            const float y = fminf(fmaxf(DT::to_float(src[d]) / divisor, -127.0f), 127.0f);
+            dst[d] = static_cast<signed char>(rintf(y));
+        }
+        *reinterpret_cast<unsigned short*>(dst + head_dim) = static_cast<unsigned short>(bits >> 16);
+    }
+}

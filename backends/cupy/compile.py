@@ -86,6 +86,7 @@ class Names:
     reduce: str
     prefill: str
     write_kv: str
+    write_kv_int8: str  # into an int8 cache, from key/value of this dtype
     copy_blocks: dict[str, str]  # word type -> name
 
     def attention(self) -> list[str]:
@@ -94,7 +95,7 @@ class Names:
 
     def cache_ops(self) -> list[str]:
         """The kernels that depend on the dtype at most (any head_dim and block size)."""
-        return [self.write_kv, *self.copy_blocks.values()]
+        return [self.write_kv, self.write_kv_int8, *self.copy_blocks.values()]
 
     def all(self) -> list[str]:
         return [*self.attention(), *self.cache_ops()]
@@ -113,6 +114,7 @@ def names_for(dtype: torch.dtype, head_dim: int | None = None, block_size: int |
         reduce=f"pagedkv_decode_reduce<{tag}, {hd}>",
         prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}>",
         write_kv=f"pagedkv_write_kv<{tag}>",
+        write_kv_int8=f"pagedkv_write_kv_int8<{tag}>",
         copy_blocks={word: f"pagedkv_copy_blocks<{word}>" for word, _ in COPY_WORDS},
     )
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata, slots_all_valid
+from pagedkv.core.kv.kv_dtype import byte_view, dequantize_rows, is_quantized, quantize_rows
 
 
 def write_kv(
@@ -23,13 +24,15 @@ def write_kv(
 
     Slots built by :class:`AttentionMetadata` are known to be valid, so the engine's
     path never asks the device whether any is -1 (a host sync per layer on CUDA).
+    An 8-bit cache gets each row quantized with its scale (``core/kv/kv_dtype.py``), in the same one scatter.
     """
     if not slots_all_valid(slot_mapping):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    heads, width = k_cache.shape[2], k_cache.shape[3]
+    for rows, cache in ((key, k_cache), (value, v_cache)):
+        rows = quantize_rows(rows, cache.dtype) if is_quantized(cache.dtype) else rows.to(cache.dtype)
+        byte_view(cache).view(-1, heads, width).index_copy_(0, slot_mapping, byte_view(rows))
 
 
 def gather_kv(
@@ -41,6 +44,7 @@ def gather_kv(
     slots cannot reach the output through ``0 * NaN``. Rows before ``min_len``
     (the shortest sequence) are valid everywhere, so only the tail is scanned.
     """
+    dtype, cache = cache.dtype, byte_view(cache)
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
     blocks_needed = -(-max_len // block_size)
@@ -49,7 +53,7 @@ def gather_kv(
     rows = rows.view(num_seqs, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
     invalid = torch.arange(min_len, max_len, device=cache.device)[None, :] >= seq_lens[:, None]
     rows[:, min_len:].masked_fill_(invalid[:, :, None, None], 0)  # rows is a fresh copy: fill in place
-    return rows
+    return rows.view(dtype)
 
 
 def step_mask(meta: AttentionMetadata, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -99,8 +103,12 @@ def paged_attention(
     compute_dtype = torch.float32 if query.device.type == "cpu" and query.dtype != torch.float32 else query.dtype
 
     min_kv = min(meta.seq_lens_cpu) if meta.seq_lens_cpu else 0
-    keys = gather_kv(k_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv).to(compute_dtype)
-    values = gather_kv(v_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv).to(compute_dtype)
+    keys = gather_kv(k_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv)
+    values = gather_kv(v_cache, meta.block_tables, meta.seq_lens, max_kv, min_kv)
+    if is_quantized(k_cache.dtype):  # dequantize in the gather: only the rows this step reads
+        keys, values = dequantize_rows(keys, head_dim, compute_dtype), dequantize_rows(values, head_dim, compute_dtype)
+    else:
+        keys, values = keys.to(compute_dtype), values.to(compute_dtype)
 
     if max_q == 1:
         q = query.reshape(num_seqs, 1, num_heads, head_dim)
@@ -212,7 +220,7 @@ def swap_blocks(
 
     for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
         for s_cache, d_cache in ((sk, dk), (sv, dv)):
-            _move_blocks(s_cache, d_cache, column(0, s_cache.device), column(1, d_cache.device))
+            _move_blocks(byte_view(s_cache), byte_view(d_cache), column(0, s_cache.device), column(1, d_cache.device))
 
 
 def _move_blocks(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ head, so every K/V tile is read once for the whole GQA group) and walks the keys
 position is mapped to its physical block through the block table, so any cache
 block size works and a tile may span several blocks. Addresses are int64.
 
-Everything is converted to fp32 right after loading: the interpreter computes
+An 8-bit cache (``QUANT``) is dequantized right after loading, each row times its bf16 scale (exact in
+fp32, as the torch reference). Everything is converted to fp32 right after loading: the interpreter computes
 bf16 arithmetic wrongly, and fp32 accumulation is what the GPU wants as well.
 Scores are kept in base 2: ``q @ k^T`` is multiplied by ``qk_scale = scale * log2(e)``
 after the dot, so a 16-bit ``q`` stays exact when the dot runs in TF32 on a GPU.
@@ -75,6 +76,8 @@ def _kv_tile(
     q_lo,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     k_head,
     v_head,
@@ -91,6 +94,8 @@ def _kv_tile(
     BLOCK_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pos = start + offs_n
     n_mask = pos < kv_end
@@ -100,7 +105,10 @@ def _kv_tile(
 
     k_rows = block * stride_kb + in_block * stride_ks + k_head
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
-    s = _dot(q, tl.trans(k.to(tl.float32)), IEEE)  # [BLOCK_M, TILE_N]
+    k = k.to(tl.float32)
+    if QUANT:  # an 8-bit row's bf16 scale follows its values (core/kv/kv_dtype.py): bf16 index = byte index / 2
+        k = k * tl.load(k_scale_ptr + (k_rows + HEAD_DIM) // 2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    s = _dot(q, tl.trans(k), IEEE)  # [BLOCK_M, TILE_N]
     if SOFTCAP:
         s = _tanh(s * qk_scale) * cap_log2e
     else:
@@ -116,7 +124,10 @@ def _kv_tile(
 
     v_rows = block * stride_vb + in_block * stride_vs + v_head
     v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), IEEE)
+    v = v.to(tl.float32)
+    if QUANT:
+        v = v * tl.load(v_scale_ptr + (v_rows + HEAD_DIM) // 2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    acc = acc * alpha[:, None] + _dot(p, v, IEEE)
     return acc, m_new, l_i
 
 
@@ -132,6 +143,8 @@ def online_softmax_over_kv(
     window,  # sliding window: a row sees keys > q_pos - window; 0 = no window
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # with QUANT: the K cache's bytes as bfloat16 (each row's scale), else unused
+    v_scale_ptr,
     block_table_ptr,  # this sequence's row of the block table
     kv_head,
     stride_kb,
@@ -151,6 +164,7 @@ def online_softmax_over_kv(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD).to(tl.int64)
@@ -164,17 +178,17 @@ def online_softmax_over_kv(
         start = kv_start
         while start < kv_end:
             acc, m_i, l_i = _kv_tile(
-                start, q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, q_lo, k_cache_ptr, v_cache_ptr,
-                block_table_ptr, k_head, v_head, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                kv_end, offs_n, offs_d, d_mask, BLOCK_SIZE, SOFTCAP, IEEE,
+                start, q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, q_lo, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                v_scale_ptr, block_table_ptr, k_head, v_head, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, kv_end, offs_n, offs_d, d_mask, BLOCK_SIZE, SOFTCAP, IEEE, HEAD_DIM, QUANT,
             )
             start += TILE_N
     else:
         for start in range(kv_start, kv_end, TILE_N):
             acc, m_i, l_i = _kv_tile(
-                start, q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, q_lo, k_cache_ptr, v_cache_ptr,
-                block_table_ptr, k_head, v_head, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                kv_end, offs_n, offs_d, d_mask, BLOCK_SIZE, SOFTCAP, IEEE,
+                start, q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, q_lo, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                v_scale_ptr, block_table_ptr, k_head, v_head, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, kv_end, offs_n, offs_d, d_mask, BLOCK_SIZE, SOFTCAP, IEEE, HEAD_DIM, QUANT,
             )
     return acc, m_i, l_i
 
@@ -191,6 +205,8 @@ def attend_rows(
     window,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     kv_head,
     stride_kb,
@@ -211,6 +227,7 @@ def attend_rows(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """A program's query rows, loaded as fp32, through the online softmax over keys ``[kv_start, kv_end)``.
 
@@ -223,7 +240,7 @@ def attend_rows(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     return online_softmax_over_kv(
-        q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, window, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET,
+        q, acc, m_i, l_i, qk_scale, cap_log2e, q_pos, window, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_table_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+        stride_vd, kv_start, kv_end, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )

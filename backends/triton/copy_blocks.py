@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.core.kv.kv_dtype import byte_view
+
 
 @triton.jit
 def _copy_blocks_kernel(
@@ -65,7 +67,7 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch
     if not kv_caches or pairs.numel() == 0:
         return
     _check_layout(kv_caches)
-    first = kv_caches[0][0]
+    first = byte_view(kv_caches[0][0])  # an fp8 cache is copied as its bytes (values and scales alike)
     device = first.device
     pairs = pairs.to(device=device, dtype=torch.int64).contiguous()
     if pairs.dim() != 2 or pairs.shape[1] != 2:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.triton.attn_tile import attend_rows, interpreted
+from pagedkv.core.kv.kv_dtype import is_quantized, row_width
 
 LOG2E = 1.4426950408889634
 
@@ -28,6 +29,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     context_lens_ptr,
@@ -60,6 +63,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
@@ -90,9 +94,9 @@ def _paged_attention_kernel(
 
     acc, m_i, l_i = attend_rows(
         q_ptr, token * stride_qt + head * stride_qh, row_mask, stride_qd, qk_scale, cap_log2e, q_pos, window,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
-        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET,
+        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows that saw no key (none in a consistent batch) give 0, not NaN
     out = acc / l_i[:, None]
@@ -109,12 +113,18 @@ def rows_per_program(group_pad: int, max_query_len: int) -> int:
 def use_ieee_dot(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """fp32 data needs ``input_precision="ieee"`` to match the reference (the GPU would use TF32).
 
-    fp16 and bf16 values are exact in TF32 (``q`` is scaled after the dot), so
+    fp16 and bf16 values are exact in TF32 (``q`` is scaled after the dot; a dequantized 8-bit value is
+    not exact, so it gets IEEE too), so
     with 16-bit inputs only the probabilities of ``P @ V`` are rounded to TF32,
     about as finely as an fp16 output. Under the interpreter the precision
     hint is ignored (numpy computes in fp32), so only a GPU run exercises TF32.
     """
-    return query.dtype == torch.float32 or k_cache.dtype == torch.float32
+    return query.dtype == torch.float32 or k_cache.dtype not in (torch.float16, torch.bfloat16)
+
+
+def scale_view(cache: torch.Tensor) -> torch.Tensor:
+    """What the kernels read an 8-bit cache's row scales through: its bytes as bfloat16 (else the cache itself)."""
+    return cache.view(torch.bfloat16) if is_quantized(cache.dtype) else cache
 
 
 def score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:
@@ -153,7 +163,7 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-    if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+    if k_cache.shape[3] != row_width(head_dim, k_cache.dtype) or v_cache.shape != k_cache.shape:
         shapes = f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
         raise ValueError(f"caches {shapes} do not match query {tuple(query.shape)}")
     if out is None:
@@ -172,6 +182,8 @@ def paged_attention(
         query,
         k_cache,
         v_cache,
+        scale_view(k_cache),
+        scale_view(v_cache),
         block_tables,
         seq_lens,
         context_lens,
@@ -194,5 +206,6 @@ def paged_attention(
         SOFTCAP=use_softcap,
         IEEE=use_ieee_dot(query, k_cache),
         INTERPRET=interpreted(),
+        QUANT=is_quantized(k_cache.dtype),
     )
     return out

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from pagedkv.backends.triton.attn_tile import attend_rows, interpreted, max_along, sum_along
-from pagedkv.backends.triton.paged_attention import score_args, use_ieee_dot, window_arg
+from pagedkv.backends.triton.paged_attention import scale_view, score_args, use_ieee_dot, window_arg
+from pagedkv.core.kv.kv_dtype import is_quantized
 
 
 @triton.jit
@@ -26,6 +27,8 @@ def _split_kv_partial_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -61,6 +64,7 @@ def _split_kv_partial_kernel(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,9 +86,9 @@ def _split_kv_partial_kernel(
 
     acc, m_i, l_i = attend_rows(
         q_ptr, token * stride_qt + head * stride_qh, row_mask, stride_qd, qk_scale, cap_log2e, q_pos, window,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, kv_start, kv_end,
-        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET,
+        BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, SOFTCAP, IEEE, INTERPRET, QUANT,
     )
     # A non-empty split always has visible keys, so l_i > 0 on every real row.
     seq64 = seq.to(tl.int64)
@@ -221,6 +225,8 @@ def split_kv_decode(
         query,
         k_cache,
         v_cache,
+        scale_view(k_cache),
+        scale_view(v_cache),
         block_tables,
         seq_lens,
         query_start_loc,
@@ -243,6 +249,7 @@ def split_kv_decode(
         SOFTCAP=use_softcap,
         IEEE=use_ieee_dot(query, k_cache),
         INTERPRET=interpreted(),
+        QUANT=is_quantized(k_cache.dtype),
     )
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out,

@@ -98,7 +98,7 @@ def serve(group: TensorParallelGroup, config: Any, model: Any) -> None:
     hello = group.broadcast(None)
     if hello is None:  # rank 0 stopped before its first step
         return
-    spec = rank_spec(KVCacheSpec.from_model_config(model.config, config.block_size, config.dtype), group.world_size)
+    spec = rank_spec(KVCacheSpec.from_model_config(model.config, config.block_size, config.kv_dtype), group.world_size)
     runner = ModelRunner(model, backend.factory(config), spec, hello["num_blocks"], group.device, check_support=False)
     runner.cpu_kv_caches = _cpu_pool(spec, hello["cpu_blocks"], group.device)  # its share of the swap space
     group.ready()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ConfigError
+from pagedkv.core.kv.kv_dtype import is_quantized, kv_dtype_name, row_width
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,12 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the storage dtype (``core/kv/kv_dtype.py``): the model's, a cast, or an 8-bit format
+
+    def __post_init__(self) -> None:
+        if is_quantized(self.dtype) and self.head_dim % 2:
+            raise ConfigError(f"an 8-bit KV cache needs an even head_dim (its bfloat16 scales follow the values), "
+                              f"the model has {self.head_dim}; use kv_cache_dtype auto or bfloat16")
 
     @classmethod
     def from_model_config(cls, hf_config: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -27,28 +33,40 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V, every layer: ``2 * layers * block_size * kv_heads * head_dim * dtype_size``."""
+        """K and V, every layer: ``2 * layers * block_size * kv_heads * row * dtype_size``, where a row is
+        ``head_dim`` values plus, for an 8-bit cache, its 2-byte scale."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * itemsize
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row in the cache tensors."""
+        return row_width(self.head_dim, self.dtype)
 
     def blocks_for_bytes(self, budget: int) -> int:
         return budget // self.bytes_per_block
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, row_width]`` (``head_dim``,
+    plus the scale of an 8-bit cache)."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     return [
         (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
 
 
-def capacity_line(num_blocks: int, spec: KVCacheSpec, max_model_len: int, world_size: int = 1) -> str:
-    """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
+def capacity_line(
+    num_blocks: int, spec: KVCacheSpec, max_model_len: int, world_size: int = 1, kv_cache_dtype: str = "auto"
+) -> str:
+    """The KV budget in plain words: how many requests of the longest allowed length fit at once (and the
+    KV dtype, when ``--kv-cache-dtype`` chose one)."""
     tokens = num_blocks * spec.block_size
     size = num_blocks * spec.bytes_per_block
     size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    if kv_cache_dtype != "auto":
+        size_text += f" of {kv_dtype_name(spec.dtype)}"
     fits = tokens // max_model_len
     line = (f"KV cache: {num_blocks} blocks of {spec.block_size} tokens = {tokens} tokens ({size_text}); room for "
             f"about {fits} request{'s' if fits != 1 else ''} of {max_model_len} tokens at once")

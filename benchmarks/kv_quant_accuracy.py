@@ -1,0 +1,167 @@
+"""How much a quantized KV cache (``--kv-cache-dtype``) changes a model's output, against the unquantized one.
+
+For each model and KV dtype, on prompts cut from a fixed local text (``data/kv_quant_text.txt``):
+
+- teacher-forced greedy agreement: the unquantized cache's greedy continuation of each prompt is fed back
+  in one forward pass, and the share of positions whose argmax is the same token under the quantized cache;
+- free-running agreement: the engine generates greedily with the quantized cache, and the share of output
+  tokens equal (same position) to the unquantized run's, with the mean length of the identical prefix;
+- mean and max absolute logit error over the teacher-forced continuation positions;
+- perplexity of the whole text (windows of ``--window`` tokens), and its change from the unquantized cache.
+
+Every forward pass is the engine's own (``ModelRunner`` on a paged cache of that dtype, torch backend), so
+keys and values always come from the cache. Usage (small enough for a shared 2-core machine):
+
+    .venv/bin/python benchmarks/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv import Engine, EngineConfig, SamplingParams
+from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.core.kv.kv_cache import KVCacheSpec
+from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
+from pagedkv.core.model.model_runner import ModelRunner, StepBatch
+
+TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
+DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+BLOCK = 16
+
+
+def load(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32: the real SmolLM2-135M-Instruct, or a tiny random Llama (GPT-2 tokenizer-free:
+    its prompts are the text's SmolLM2 token ids folded into its vocabulary)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.core.model.model_loader import resolve_model_dir
+
+    directory = resolve_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if name == "smollm2":
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), tokenizer
+    from pagedkv.testing import tiny_llama
+
+    return tiny_llama(seed=0), tokenizer
+
+
+def forward_logits(model: Any, kv_dtype: str, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """float32 logits at every position of each sequence, one packed prefill through a paged cache of ``kv_dtype``."""
+    spec = KVCacheSpec.from_model_config(model.config, BLOCK, parse_kv_cache_dtype(kv_dtype, torch.float32))
+    tables, start = [], 0
+    for seq in sequences:
+        n = -(-len(seq) // BLOCK)
+        tables.append(list(range(start, start + n)))
+        start += n
+    runner = ModelRunner(model, TorchBackend("cpu"), spec, start, "cpu")
+    ids = [t for seq in sequences for t in seq]
+    batch = StepBatch(ids, [p for seq in sequences for p in range(len(seq))], list(range(len(ids))), tables,
+                      [0] * len(sequences), [len(s) for s in sequences], [], [], [])
+    logits = runner.run(batch)
+    bounds = [0, *itertools.accumulate(len(s) for s in sequences)]
+    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def generate(model: Any, kv_dtype: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    engine = Engine(EngineConfig(device="cpu", backend="torch", block_size=BLOCK, kv_cache_memory="256MiB",
+                                 kv_cache_dtype=kv_dtype), model=model)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step(stream=False) if o.finished})
+    assert engine.pool.num_available == engine.num_blocks
+    return [done[i] for i in ids]
+
+
+def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> float:
+    windows = [text_ids[i : i + window] for i in range(0, len(text_ids) - 1, window)]
+    windows = [w for w in windows if len(w) > 1]
+    nll, count = 0.0, 0
+    for w, logits in zip(windows, forward_logits(model, kv_dtype, windows)):
+        logp = torch.log_softmax(logits[:-1].double(), -1)
+        nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
+        count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int) -> dict[str, Any]:
+    model, tokenizer = load(name)
+    vocab = model.config.vocab_size
+    text_ids = [t % vocab for t in tokenizer(TEXT.read_text())["input_ids"]]
+    stride = max(1, (len(text_ids) - prompt_len) // num_prompts)
+    prompts = [text_ids[i * stride : i * stride + prompt_len] for i in range(num_prompts)]
+    base_out = generate(model, "auto", prompts, tokens)
+    forced = [p + o for p, o in zip(prompts, base_out)]
+    base_logits = forward_logits(model, "auto", forced)
+    base_ppl = perplexity(model, "auto", text_ids, window)
+    rows = {}
+    for kv_dtype in DTYPES:
+        started = time.perf_counter()
+        logits = base_logits if kv_dtype == "auto" else forward_logits(model, kv_dtype, forced)
+        out = base_out if kv_dtype == "auto" else generate(model, kv_dtype, prompts, tokens)
+        agree = total = 0
+        errors = []
+        for p, base, got in zip(prompts, base_logits, logits):
+            span = slice(len(p) - 1, len(p) - 1 + tokens)  # the rows predicting the continuation
+            agree += (got[span].argmax(-1) == base[span].argmax(-1)).sum().item()
+            total += tokens
+            errors.append((got[span] - base[span]).abs())
+        err = torch.cat(errors)
+        same = sum(a == b for o, r in zip(out, base_out) for a, b in zip(o, r))
+        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(out, base_out)]
+        ppl = base_ppl if kv_dtype == "auto" else perplexity(model, kv_dtype, text_ids, window)
+        rows[kv_dtype] = {
+            "teacher_forced_agreement": agree / total,
+            "free_running_agreement": same / (tokens * len(prompts)),
+            "mean_identical_prefix": sum(prefix) / len(prefix),
+            "mean_abs_logit_error": err.mean().item(),
+            "max_abs_logit_error": err.max().item(),
+            "perplexity": ppl,
+            "perplexity_change": ppl / base_ppl - 1,
+            "seconds": time.perf_counter() - started,
+        }
+    return {"model": name, "prompts": num_prompts, "prompt_tokens": prompt_len, "tokens": tokens,
+            "text_tokens": len(text_ids), "window": window, "by_kv_dtype": rows}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']}: {result['prompts']} prompts x {result['prompt_tokens']} tokens, "
+             f"{result['tokens']} generated; perplexity over {result['text_tokens']} tokens "
+             f"(windows of {result['window']})",
+             f"{'kv dtype':<10} {'forced agree':>12} {'free agree':>10} {'same prefix':>11} {'mean |dlogit|':>13} "
+             f"{'max |dlogit|':>12} {'ppl':>8} {'ppl change':>10}"]
+    for dtype, r in result["by_kv_dtype"].items():
+        lines.append(f"{dtype:<10} {r['teacher_forced_agreement']:>12.2%} {r['free_running_agreement']:>10.2%} "
+                     f"{r['mean_identical_prefix']:>11.1f} {r['mean_abs_logit_error']:>13.4f} "
+                     f"{r['max_abs_logit_error']:>12.4f} {r['perplexity']:>8.3f} {r['perplexity_change']:>+10.3%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2,tiny")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window) for m in args.models.split(",")]
+    print(json.dumps(results, indent=2) if args.json else "\n\n".join(format_table(r) for r in results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Decode attention of one SmolLM2 layer on the ``cpu`` backend: an int8 KV cache against fp32 (issue 29).
+
+9 query / 3 KV heads, head dim 64, block 16, batch 64, one decode token per sequence, block tables shuffled
+over the pool; the int8 cache holds the fp32 cache's rows quantized (``core/kv/kv_dtype.py``). One torch
+thread; per call, median of ``--rounds`` by this thread's CPU clock (``time.thread_time``: on a shared
+machine the wall clock measures the neighbours) and by the wall clock. Also the torch reference on the int8
+cache (dequantize in the gather), the path every other 8-bit case takes.
+
+    .venv/bin/python benchmarks/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from pagedkv.backends.cpu.backend import CpuBackend
+from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.core.kv.attention_metadata import AttentionMetadata
+from pagedkv.core.kv.kv_dtype import quantize_rows
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def case(ctx: int, batch: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = math.ceil(ctx / BLOCK)
+    num_blocks = batch * per_seq
+    k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).tolist()
+    meta = AttentionMetadata.build(block_tables=tables, context_lens=[ctx - 1] * batch, query_lens=[1] * batch,
+                                   block_size=BLOCK)
+    return torch.randn(batch, HEADS, HEAD_DIM, generator=gen), k, v, meta
+
+
+def timed(fn, rounds: int) -> tuple[float, float]:
+    fn()
+    cpu, wall = [], []
+    for _ in range(rounds):
+        c, w = time.thread_time(), time.perf_counter()
+        fn()
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference row")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    query, k, v, meta = case(args.ctx, args.batch)
+    k8, v8 = quantize_rows(k, torch.int8), quantize_rows(v, torch.int8)
+    cpu, ref = CpuBackend(), TorchBackend("cpu")
+    scale = HEAD_DIM**-0.5
+    rows = {
+        "cpu fp32": (lambda: cpu.attend(query, k, v, meta, scale), k.numel() * 2 * 4),
+        "cpu int8": (lambda: cpu.attend(query, k8, v8, meta, scale), k8.numel() * 2),
+    }
+    if not args.no_reference:
+        rows["torch int8 (reference)"] = (lambda: ref.attend(query, k8, v8, meta, scale), k8.numel() * 2)
+    err = (cpu.attend(query, k8, v8, meta, scale) - cpu.attend(query, k, v, meta, scale)).abs().max().item()
+    print(f"decode attention, ctx {args.ctx}, batch {args.batch}, 9/3 heads x 64, block 16, 1 thread, "
+          f"median of {args.rounds}; max |int8 - fp32| of the output {err:.2e}")
+    base = None
+    for name, (fn, nbytes) in rows.items():
+        cpu_s, wall_s = timed(fn, args.rounds)
+        base = base or cpu_s
+        print(f"{name:<24} {cpu_s * 1e3:9.2f} ms cpu {wall_s * 1e3:9.2f} ms wall  {nbytes / 2**20:8.1f} MiB K/V  "
+              f"{base / cpu_s:5.2f}x fp32 (cpu time)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The 8-bit KV cache (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``): the row format, the torch reference's
+quantizing write and dequantizing read against a float64 reference of the dequantized cache, and sizing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from attention_cases import make_case, reference
+
+from pagedkv.backends.cpu.backend import CpuBackend
+from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.backends.torch_ref.attention import copy_blocks, swap_blocks, write_kv
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.errors import ConfigError
+from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches, capacity_line
+from pagedkv.core.kv.kv_dtype import QMAX, byte_view, dequantize_rows, quantize_rows, split_cache
+
+EIGHT_BIT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+ROW_ERROR = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 1 / 16, torch.float8_e5m2: 1 / 8}  # of the row's amax
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+def test_rows_round_trip_within_half_a_step_of_their_own_scale(kv_dtype):
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0.0
+    packed = quantize_rows(x, kv_dtype)
+    assert packed.shape == (50, 3, 66) and packed.dtype == kv_dtype
+    values, scales = split_cache(packed, 64)
+    assert scales.dtype == torch.bfloat16 and scales[7, 1] == 0 and values[7, 1].float().abs().max() == 0
+    assert values.float().abs().max() <= QMAX[kv_dtype]
+    err = (dequantize_rows(packed, 64) - x).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-30)
+    assert err.max() <= ROW_ERROR[kv_dtype] * 1.01
+    if kv_dtype == torch.int8:  # the largest magnitude of a row uses (about) the whole range
+        assert values.float().abs().amax(-1)[x.abs().amax(-1) > 0].min() >= 126
+
+
+def test_int8_rounds_half_to_even_against_the_stored_scale():
+    x = torch.tensor([[[127.0, 2.5, -2.5, 3.5, 0.49, -0.5]]])  # scale 1.0 exactly
+    values, scales = split_cache(quantize_rows(x, torch.int8), 6)
+    assert scales.item() == 1.0 and values.flatten().tolist() == [127, 2, -2, 4, 0, 0]
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_write_kv_quantizes_each_row_into_its_slot_and_skips_minus_one(kv_dtype, block_size):
+    spec = KVCacheSpec(1, 2, 8, block_size, kv_dtype)
+    [(k_cache, v_cache)] = allocate_kv_caches(spec, 4, "cpu")
+    assert k_cache.shape == (4, block_size, 2, 10) and k_cache.dtype == kv_dtype
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([3, -1, 2])
+    write_kv(key, value, k_cache, v_cache, slots)
+    flat_k, flat_v = byte_view(k_cache).view(-1, 2, 10), byte_view(v_cache).view(-1, 2, 10)
+    assert torch.equal(flat_k[3], byte_view(quantize_rows(key[0], kv_dtype)))
+    assert torch.equal(flat_v[2], byte_view(quantize_rows(value[2], kv_dtype)))
+    untouched = [s for s in range(4 * block_size) if s not in (2, 3)]
+    assert flat_k[untouched].eq(0).all() and flat_v[untouched].eq(0).all()
+
+
+def _check(backend, seq_lens, query_lens, block_size, kv_dtype, tol=2e-5, window=None, softcap=None, **kw):
+    meta, q, k_cache, v_cache, keys, values = make_case(seq_lens, query_lens, block_size, kv_dtype=kv_dtype, **kw)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = backend.attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    assert out.dtype == q.dtype and torch.isfinite(out).all(), "a NaN scale of an unused slot leaked into the output"
+    start = 0
+    for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
+        expected = reference(q[start : start + q_len], k, v, n - q_len, scale, window, softcap)
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tol, rtol=tol)
+        start += q_len
+
+
+@pytest.mark.parametrize("backend", [TorchBackend("cpu"), CpuBackend()], ids=["torch", "cpu"])
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_attention_reads_the_dequantized_cache(backend, kv_dtype, block_size):
+    # decodes at block edges, a prefill chunk over cached context, a fresh prefill, GQA
+    _check(backend, [1, 17, 40, 9], [1, 1, 20, 9], block_size, kv_dtype)
+    _check(backend, [33, 16], [1, 16], block_size, kv_dtype, heads=6, kv_heads=3, dim=64)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_cpu_int8_decode_kernel_reads_the_dequantized_cache(block_size, dim):
+    # decode-only steps take the compiled int8 kernel (specialised head dims 64/128, generic 40), GQA 3:1
+    _check(CpuBackend(), [1, 17, 300, 16, 33], [1] * 5, block_size, torch.int8, heads=6, kv_heads=2, dim=dim)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (None, 5.0), (40, 2.0)])
+def test_cpu_int8_decode_kernel_window_and_softcap(window, softcap):
+    _check(CpuBackend(), [5, 50, 129], [1, 1, 1], 16, torch.int8, window=window, softcap=softcap, dim=64)
+
+
+def test_cpu_int8_decode_kernel_is_really_used(monkeypatch):
+    backend = CpuBackend()
+    meta, q, k_cache, v_cache, *_ = make_case([20], [1], 16, dim=64, kv_dtype=torch.int8)
+    monkeypatch.setattr(TorchBackend, "attend", lambda *a, **k: pytest.fail("fell back to the reference"))
+    assert torch.isfinite(backend.attend(q, k_cache, v_cache, meta, 0.125)).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_cast_caches_of_a_float32_model(kv_dtype):
+    _check(CpuBackend(), [17, 40], [1, 7], 16, kv_dtype, tol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+def test_block_copies_and_swaps_carry_the_scales(kv_dtype):
+    spec = KVCacheSpec(2, 2, 8, 4, kv_dtype)
+    device, host = allocate_kv_caches(spec, 6, "cpu"), allocate_kv_caches(spec, 3, "cpu")
+    for k, v in device:
+        write_kv(torch.randn(24, 2, 8), torch.randn(24, 2, 8), k, v, torch.arange(24))
+    before = [(byte_view(k).clone(), byte_view(v).clone()) for k, v in device]
+    copy_blocks(device, torch.tensor([[1, 5]]))
+    swap_blocks(device, host, torch.tensor([[2, 0], [3, 2]]))
+    for (k, v), (hk, hv), (k0, v0) in zip(device, host, before):
+        for cache, old, swapped in ((k, k0, hk), (v, v0, hv)):
+            assert torch.equal(byte_view(cache)[5], old[1])
+            assert torch.equal(byte_view(swapped)[0], old[2]) and torch.equal(byte_view(swapped)[2], old[3])
+            assert torch.equal(split_cache(swapped, 8)[1][0], split_cache(old.view(kv_dtype), 8)[1][2])
+
+
+def test_bytes_per_block_count_the_scales():
+    fp32 = KVCacheSpec(30, 3, 64, 16, torch.float32)
+    int8 = KVCacheSpec(30, 3, 64, 16, torch.int8)
+    bf16 = KVCacheSpec(30, 3, 64, 16, torch.bfloat16)
+    assert int8.bytes_per_block == 2 * 30 * 16 * 3 * 66
+    assert fp32.bytes_per_block / int8.bytes_per_block == pytest.approx(4 * 64 / 66)  # 3.88x
+    assert bf16.bytes_per_block / int8.bytes_per_block == pytest.approx(2 * 64 / 66)
+    line = capacity_line(int8.blocks_for_bytes(2**30), int8, 2048, kv_cache_dtype="int8")
+    assert "of int8" in line and line.startswith("KV cache: 5648 blocks of 16 tokens = 90368 tokens")
+
+
+def test_config_reads_the_flag_and_auto_is_the_model_dtype():
+    assert EngineConfig(device="cpu").kv_dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="bfloat16").kv_dtype == torch.bfloat16
+    assert EngineConfig(device="cpu", kv_cache_dtype="INT8").kv_dtype == torch.int8
+    assert EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2").kv_dtype == torch.float8_e5m2
+    with pytest.raises(ConfigError, match="unknown kv_cache_dtype 'int4'; use one of auto, bfloat16"):
+        EngineConfig(device="cpu", kv_cache_dtype="int4")
