@@ -6,7 +6,7 @@ import torch
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
-from pagedkv.backends.cpu.routes import TORCH, Routes, routes_for
+from pagedkv.backends.cpu.route_table import TORCH, Routes
 from pagedkv.backends.cpu.torch_prefill import attend_prefills
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
@@ -23,18 +23,15 @@ QUERY_TILE = 16
 class CpuBackend(TorchBackend):
     """Reads K/V blocks in place through the block table; GQA groups share each K/V row. Writing the
     cache and the block copies/swaps are the reference's (inherited). A phase whose kernel path is
-    slower than torch's on this CPU (``routes``, see routes.py) goes to torch instead."""
+    slower than torch's on this CPU (``routes``, decided by routes.py when the plugin builds it) goes to torch
+    instead; without ``routes`` every phase runs the kernel."""
 
     name = "cpu"
 
     def __init__(self, lib=None, routes: Routes | None = None) -> None:  # noqa: ANN001 - a ctypes library
         super().__init__("cpu")
         self.lib = lib if lib is not None else build.load()
-        isa = getattr(self.lib, "isa", None)  # (None: a library bound by hand, e.g. an older build for A/B runs)
-        if routes is None:
-            cache = build.library_path(isa).with_suffix(".routes.json") if isa else None
-            routes = routes_for(self.lib, isa, cache) if isa else Routes()
-        self.routes = routes
+        self.routes = routes if routes is not None else Routes()
 
     def attend(
         self,

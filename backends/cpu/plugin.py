@@ -24,8 +24,9 @@ def _build(config: Any):
         log.warning("pagedkv: CPU attention kernel unavailable (%s); using the torch reference backend", exc)
         return TorchBackend(config.device)
     from pagedkv.backends.cpu.backend import CpuBackend
+    from pagedkv.backends.cpu.routes import default_routes
 
-    return CpuBackend(lib)
+    return CpuBackend(lib, routes=default_routes(lib))
 
 
 @hookimpl

@@ -14,23 +14,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from pagedkv.backends.cpu.route_table import KERNEL, TORCH, Routes
+
 log = logging.getLogger("pagedkv")
 
 FAST_BY_FEATURES = ("avx512", "avx2")
-KERNEL, TORCH = "kernel", "torch"
 
 
-@dataclass(frozen=True)
-class Routes:
-    """Where each phase runs: ``"kernel"`` or ``"torch"``."""
+def default_routes(lib) -> Routes:  # noqa: ANN001 - a ctypes library from build.load
+    """The routes of a loaded build, cached beside its library (a library bound by hand runs the kernel)."""
+    from pagedkv.backends.cpu import build
 
-    decode: str = KERNEL
-    prefill: str = KERNEL
+    isa = getattr(lib, "isa", None)  # (None: a library bound by hand, e.g. an older build for A/B runs)
+    if isa is None:
+        return Routes()
+    return routes_for(lib, isa, build.library_path(isa).with_suffix(".routes.json"))
 
 
 def routes_for(lib, isa: str, cache_file: Path | None) -> Routes:  # noqa: ANN001 - a ctypes library

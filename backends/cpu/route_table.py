@@ -1,0 +1,15 @@
+"""Where each phase of the cpu backend runs: its compiled kernel, or torch's reference (``routes.py`` decides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL, TORCH = "kernel", "torch"
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Where each phase runs: ``"kernel"`` or ``"torch"``."""
+
+    decode: str = KERNEL
+    prefill: str = KERNEL
