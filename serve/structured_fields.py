@@ -33,6 +33,10 @@ def structured_from_body(body: Mapping[str, Any]) -> tuple[StructuredOutputs | N
     for name, kind in LEGACY.items():
         if body.get(name) is not None:
             found.append((_make(name, {kind: body[name]}), name))
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in ("auto", "guidance"):
+        raise FieldError("guided_decoding_backend", f"guided_decoding_backend {backend!r} is not available: this "
+                         "server compiles grammars with its --structured-outputs-backend (guidance by default)")
     if body.get("guided_whitespace_pattern") is not None:
         raise FieldError("guided_whitespace_pattern", "guided_whitespace_pattern is not supported by pagedkv "
                                                       "(use structured_outputs.disable_any_whitespace)")

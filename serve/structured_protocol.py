@@ -23,7 +23,7 @@ class StructuredFields(StrictBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None  # accepted and ignored: the server's backend decides
+    guided_decoding_backend: str | None = None  # auto or guidance only: the server's backend compiles
     guided_whitespace_pattern: str | None = None
 
     def structured(self) -> tuple[StructuredOutputs | None, str | None]:

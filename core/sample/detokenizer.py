@@ -92,5 +92,6 @@ def output_text(seq: Any, tokenizer: Any, final: bool = False, drop_last: bool =
 
 
 def ends_by_token(seq: Any) -> bool:
-    """True when ``seq`` finished on a token (EOS or a stop token id), not a stop string or its length."""
-    return seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+    """True when ``seq`` finished on a token (EOS or a stop token id), not a stop string, its length or a
+    complete grammar (whose last token is text)."""
+    return seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and not seq.grammar_done

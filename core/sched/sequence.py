@@ -57,6 +57,7 @@ class Sequence:
     priority: int = 0  # lower runs first under the priority scheduler (vLLM's meaning)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
     matcher: Any = field(default=None, repr=False)  # its grammar's state (structured outputs), fed every token
+    grammar_done: bool = False  # finished because its grammar was complete: the last token is text, not EOS
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,

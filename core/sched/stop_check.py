@@ -32,10 +32,11 @@ class StopCheck:
             result = ("stop", token)
         elif seq.matcher is not None and seq.matcher.is_terminated():  # the grammar is complete: only EOS is left
             result = ("stop", None)
+            seq.grammar_done = True  # its last token is part of the answer (see detokenizer.ends_by_token)
         elif (n_out := len(seq.output_token_ids)) >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= seq.max_len:
             result = ("length", None)
         if p.stop and self.tokenizer is not None:
-            by_token = result is not None and result[0] == "stop"
+            by_token = result is not None and result[0] == "stop" and not seq.grammar_done
             text = output_text(seq, self.tokenizer, final=result is not None, drop_last=by_token)
             for s in p.stop:
                 cut = text.find(s)
