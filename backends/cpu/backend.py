@@ -81,7 +81,6 @@ class CpuBackend(TorchBackend):
                              f"heads, head_dim {head_dim}, block size {k_cache.shape[1]} (code {rc})")
         return out if out_dtype == out.dtype else out.to(out_dtype)
 
-
     def _decode_int8(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         check_window(window)
