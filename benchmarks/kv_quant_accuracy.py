@@ -30,8 +30,8 @@ import torch
 
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.core.config import parse_kv_cache_dtype
 from pagedkv.core.kv.kv_cache import KVCacheSpec
-from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 from pagedkv.core.model.model_runner import ModelRunner, StepBatch
 
 TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
