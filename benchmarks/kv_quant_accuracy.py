@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ import torch
 
 from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.core.config import parse_kv_cache_dtype
 from pagedkv.core.kv.kv_cache import KVCacheSpec
-from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 from pagedkv.core.model.model_runner import ModelRunner, StepBatch
 
 TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
@@ -94,7 +95,9 @@ def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> f
     return math.exp(nll / count)
 
 
-def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int) -> dict[str, Any]:
+def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int,
+            progress: Any = None) -> dict[str, Any]:
+    """The figures for one model; ``progress(kv_dtype, row)`` is called as each dtype's row is done."""
     model, tokenizer = load(name)
     vocab = model.config.vocab_size
     text_ids = [t % vocab for t in tokenizer(TEXT.read_text())["input_ids"]]
@@ -130,6 +133,8 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
             "perplexity_change": ppl / base_ppl - 1,
             "seconds": time.perf_counter() - started,
         }
+        if progress is not None:
+            progress(kv_dtype, rows[kv_dtype])
     return {"model": name, "prompts": num_prompts, "prompt_tokens": prompt_len, "tokens": tokens,
             "text_tokens": len(text_ids), "window": window, "by_kv_dtype": rows}
 
@@ -159,7 +164,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window) for m in args.models.split(",")]
+    def progress(kv_dtype: str, row: dict) -> None:  # a long run on a loaded machine keeps what it measured
+        print(f"# {kv_dtype}: {json.dumps(row)}", file=sys.stderr, flush=True)
+
+    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window, progress)
+               for m in args.models.split(",")]
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(format_table(r) for r in results))
 
 

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,6 +45,26 @@ def resolve_auto_dtype(checkpoint: torch.dtype | str | None, device: str) -> tor
     if checkpoint == torch.float16 and str(device).startswith("cpu"):
         return torch.bfloat16
     return checkpoint
+
+
+KV_CACHE_DTYPES = {  # --kv-cache-dtype names; the 8-bit row format is core/kv/kv_dtype.py's
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPE_NAMES = ("auto", *KV_CACHE_DTYPES)
+
+
+def parse_kv_cache_dtype(value: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype for ``--kv-cache-dtype`` (``auto``/None: the model dtype); one error line otherwise."""
+    name = "auto" if value is None else str(value).lower()
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 def parse_bytes(value: int | str) -> int:

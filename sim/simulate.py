@@ -233,9 +233,8 @@ def default_step_time(setup: SimSetup, engine: Any = None) -> StepTimeModel:
 
 def bytes_per_block(setup: SimSetup) -> int:
     """The engine's own sizing (``KVCacheSpec``) for this setup's model, block size and KV dtype."""
-    from pagedkv.core.config import parse_dtype
+    from pagedkv.core.config import parse_dtype, parse_kv_cache_dtype
     from pagedkv.core.kv.kv_cache import KVCacheSpec
-    from pagedkv.core.kv.kv_dtype import parse_kv_cache_dtype
 
     dtype = parse_dtype("bfloat16" if dtype_bytes(setup.dtype) == 2 else "float32")
     dtype = parse_kv_cache_dtype(setup.kv_cache_dtype, dtype)

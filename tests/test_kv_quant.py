@@ -137,3 +137,20 @@ def test_config_reads_the_flag_and_auto_is_the_model_dtype():
     assert EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2").kv_dtype == torch.float8_e5m2
     with pytest.raises(ConfigError, match="unknown kv_cache_dtype 'int4'; use one of auto, bfloat16"):
         EngineConfig(device="cpu", kv_cache_dtype="int4")
+
+
+def test_cli_flag_sizes_simulate_and_a_bad_value_is_one_error_line(capsys):
+    import json
+
+    from pagedkv.cli.main import main
+
+    blocks = {}
+    for kv_dtype in ("auto", "int8"):
+        assert main(["simulate", "--workload", "alpaca", "--num-requests", "20", "--dtype", "float32",
+                     "--kv-cache-dtype", kv_dtype, "--kv-cache-memory", "64MiB", "--no-static", "--json"]) == 0
+        blocks[kv_dtype] = json.loads(capsys.readouterr().out)["paged"]["num_blocks"]
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(4 * 64 / 66, rel=0.01)
+    assert main(["run", "--kv-cache-dtype", "int4", "--prompt", "hi"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["engine: error: unknown kv_cache_dtype 'int4'; use one of auto, bfloat16, float16, int8, "
+                   "fp8_e4m3, fp8_e5m2"]

@@ -133,3 +133,13 @@ def test_two_tensor_parallel_ranks_hold_their_heads_scales_and_match_one_process
         assert_all_blocks_back(engine)
     finally:
         engine.close()
+
+
+def test_llm_takes_the_flag_through_the_one_config(tiny_llama):
+    from pagedkv import LLM
+
+    llm = LLM(hf_model=tiny_llama, device="cpu", block_size=4, num_blocks=32, kv_cache_dtype="fp8_e4m3")
+    assert llm.engine.config.kv_cache_dtype == "fp8_e4m3"
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    [out] = llm.generate([_prompts()[0]], GREEDY)
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS

@@ -91,7 +91,6 @@ class CpuBackend(TorchBackend):
             attend_prefills(out, q, k_cache, v_cache, meta, scale, window, softcap)
         return out if out_dtype == out.dtype else out.to(out_dtype)
 
-
     def _decode_int8(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         check_window(window)

@@ -23,28 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core.errors import ConfigError
+from pagedkv.core.config import KV_CACHE_DTYPES
 
-KV_CACHE_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-KV_CACHE_DTYPE_NAMES = ("auto", *KV_CACHE_DTYPES)
 SCALE_ELEMS = 2  # one bfloat16 scale per row, as two 8-bit elements
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def parse_kv_cache_dtype(value: str | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype for ``--kv-cache-dtype`` (``auto``/None: the model dtype); one error line otherwise."""
-    name = "auto" if value is None else str(value).lower()
-    if name == "auto":
-        return model_dtype
-    if name not in KV_CACHE_DTYPES:
-        raise ConfigError(f"unknown kv_cache_dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPE_NAMES)}")
-    return KV_CACHE_DTYPES[name]
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
