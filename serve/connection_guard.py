@@ -65,6 +65,7 @@ def guarded_protocol(header_timeout: float) -> type:
         def _headers_too_slow(self) -> None:
             self._deadline = None
             if self.cycle is self._waiting_cycle and not self.transport.is_closing():
+                log.debug("closing %s: no complete request head within %.3g s", self.client, header_timeout)
                 self.transport.close()
 
     return HeaderDeadlineProtocol

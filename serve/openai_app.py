@@ -1,12 +1,9 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
 
-Work before admission is bounded and kept off the event loop: the API key is checked
-before the body is read, the body is read up to ``max_request_bytes`` (413 beyond), and
-JSON parsing, validation, chat templating and tokenization run on worker threads, after
-a character-count check that refuses a text that cannot fit the context anyway. The
-tokenizer is the front end's own copy (a fast tokenizer must not be used from two threads
-at once), used from one worker thread only; the engine thread only sees token ids. Every
-answer that is not a success is OpenAI's error envelope, never a traceback.
+The API key is checked before the body is read; the body is then read, parsed and
+tokenized with bounded work off the event loop (``admission``); the engine thread only
+sees token ids. Every answer that is not a success is OpenAI's error envelope, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -26,16 +23,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.serve import request_rules as rules
+from pagedkv.serve.admission import check_chars, check_ids, encode_chat, encode_prompts, parse_request
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
-from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
-from pagedkv.serve.prompt_render import decode_ids, render_chat
+from pagedkv.serve.prompt_render import decode_ids
 from pagedkv.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -176,7 +172,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _guarded(_chat(state, request))
 
     app.include_router(v1)
-    add_tokenizer_routes(app, state, check_key, validated_body)
+    add_tokenizer_routes(app, state, check_key)
     if state.enable_docs:
         _add_docs(app, check_key)
     return app
@@ -200,7 +196,10 @@ def _add_docs(app: FastAPI, check_key: Any) -> None:
 
 
 def _error(exc: InvalidField) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status)
+    # a body refused unread (413) or unfinished (408): close rather than drain what the client still sends
+    headers = {"Connection": "close"} if exc.status in (408, 413) else None
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status,
+                        headers=headers)
 
 
 async def _guarded(work: Any) -> Response:
@@ -215,74 +214,19 @@ async def _guarded(work: Any) -> Response:
                             status_code=500)
 
 
-async def read_body(state: ServerState, request: Request) -> bytes:
-    """The raw body, at most ``max_request_bytes`` (413 as soon as it is over), within ``body_timeout_s`` (408)."""
-    limit = state.max_request_bytes
-    too_big = InvalidField(None, f"the request body is over this server's limit of {limit:,} bytes "
-                           "(--max-request-bytes)", 413)
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise InvalidField(None, "the Content-Length header is not a number")
-        if int(declared) > limit:
-            raise too_big
-    chunks: list[bytes] = []
-    size = 0
-
-    async def receive() -> None:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(receive(), state.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise InvalidField(None, f"the request body did not arrive within {state.body_timeout_s:g} s", 408) from None
-    return b"".join(chunks)
-
-
-def _validate(model: Any, raw: bytes) -> Any:
-    """Parse and validate a body (on a worker thread): the request model, or InvalidField naming the field."""
-    try:
-        data = rules.parse_json_object(raw)
-    except FieldError as exc:
-        raise InvalidField(exc.param or None, exc.message) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        error = validation_error_body(list(exc.errors(include_url=False)))["error"]
-        raise InvalidField(error["param"], error["message"]) from None
-
-
-async def validated_body(state: ServerState, request: Request, model: Any) -> Any:
-    """The body read within its limits and validated as ``model`` off the event loop."""
-    raw = await read_body(state, request)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
-
-
-async def _body(state: ServerState, request: Request, model: Any) -> Any:
-    body = await validated_body(state, request, model)
-    body.refuse_unsupported()
-    return body
-
-
 async def _completions(state: ServerState, request: Request) -> Response:
-    body = await _body(state, request, CompletionRequest)
+    body = await parse_request(state, request, CompletionRequest)
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
-        _check_chars("prompt", max(map(len, texts)), state)
+        check_chars("prompt", max(map(len, texts)), state)
         if state.tokenizer is None:
             raise InvalidField("prompt", "this model has no tokenizer: give the prompt as token ids")
     for ids in prompts:
         if not isinstance(ids, str):
-            _check_ids(state, ids)
+            check_ids(state, ids)
     loop = asyncio.get_running_loop()
-    encoded = await loop.run_in_executor(state.tokenize_pool, _encode_all, state.tokenizer, prompts,
+    encoded = await loop.run_in_executor(state.tokenize_pool, encode_prompts, state.tokenizer, prompts,
                                          state.max_model_len, body.add_special_tokens)
     explicit = "max_tokens" in body.model_fields_set  # null is unset: OpenAI's default 16, as vLLM
     echo = None
@@ -294,55 +238,20 @@ async def _completions(state: ServerState, request: Request) -> Response:
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
-    body = await _body(state, request, ChatCompletionRequest)
+    body = await parse_request(state, request, ChatCompletionRequest)
     tools, choice = _fields(body.tool_setup)
     _fields(state.parsers.check_choice, choice)
     structured = _fields(request_constraint, body, choice, tools)
     conversation = body.conversation()
-    _check_chars("messages", sum(len(m["content"]) for m in conversation), state)
+    check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     arguments = {**body.template_arguments(), "tools": tools or None}
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.tokenize_pool, _encode_chat, state, conversation, arguments,
+    ids = await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, arguments,
                                      body.add_special_tokens)
     wanted = body.wanted_max_tokens()
     echo = [body.echo_text()] if body.echo else None
     return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True, echo=echo,
                          structured=structured, shaper=state.parsers.shaper(choice))
-
-
-def _check_chars(field: str, chars: int, state: ServerState) -> None:
-    if chars > state.max_prompt_chars:
-        raise InvalidField(field, f"the {field} has {chars:,} characters, more than can fit in this model's "
-                           f"context of {state.max_model_len} tokens")
-
-
-def _encode_all(tokenizer: Any, prompts: list[str | list[int]], limit: int,
-                add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of every prompt (on the tokenizer's thread); text the tokenizer cannot take is a 400."""
-    out = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            out.append(_tokenize("prompt", tokenizer, prompt, limit, add_special_tokens))
-        else:
-            out.append(list(prompt))
-    return out
-
-
-def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tokens: bool) -> list[int]:
-    try:
-        return tokenize_bounded(tokenizer, text, limit, add_special_tokens)
-    except TooManyTokens as exc:
-        raise InvalidField(field, f"the {field} has at least {exc.tokens} tokens; this model's context is {limit} "
-                           "tokens, which leaves no room for an answer") from None
-    except Exception as exc:  # noqa: BLE001 - the client's text, not the server, is at fault
-        raise InvalidField(field, f"the tokenizer cannot take this {field}: {type(exc).__name__}") from None
-
-
-def _encode_chat(state: ServerState, conversation: list[dict[str, Any]], template_arguments: dict[str, Any],
-                 add_special_tokens: bool) -> list[int]:
-    """The conversation through the chat template, as token ids (on the tokenizer's thread)."""
-    text = render_chat(state, conversation, template_arguments)
-    return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
 
 
 def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:
@@ -356,15 +265,6 @@ def _fields(check: Any, *args: Any) -> Any:
         return check(*args)
     except FieldError as exc:
         raise InvalidField(exc.param, exc.message) from None
-
-
-def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
-    if len(ids) >= state.max_model_len:
-        raise InvalidField("prompt", f"the prompt has {len(ids)} tokens; this model's context is "
-                           f"{state.max_model_len} tokens, which leaves no room for an answer")
-    if min(ids) < 0 or max(ids) >= state.vocab_size:
-        raise InvalidField("prompt", f"prompt token ids must be in 0..{state.vocab_size - 1}")
-    return list(ids)
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,

@@ -9,12 +9,12 @@ they sit behind ``--api-key`` when one is set.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import Field
 
+from pagedkv.serve.admission import validated_body
 from pagedkv.serve.prompt_render import chat_ids, decode_ids, encode_text
 from pagedkv.serve.protocol import ChatMessage, InvalidField, StrictBody
 
@@ -40,12 +40,11 @@ class DetokenizeRequest(StrictBody):
     tokens: list[int] = Field(min_length=0)
 
 
-def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any,
-                         read_body: Callable[[Any, Request, Any], Awaitable[Any]]) -> None:
+def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
     """Register /tokenize, /detokenize and /version on ``app``.
 
-    ``read_body(state, request, model)`` reads and validates a body as the generation routes do
-    (size limit, strict types, off the event loop); tokenizing runs on the tokenizer's thread.
+    Bodies are read and validated as the generation routes' are (size limit, strict types, off the
+    event loop); tokenizing runs on the tokenizer's thread.
     """
     from pagedkv import __version__
 
@@ -56,7 +55,7 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any,
 
     @app.post("/tokenize", dependencies=[Depends(check_key)])
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await read_body(state, request, TokenizeRequest)
+        body = await validated_body(state, request, TokenizeRequest)
         return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, _tokenize, body)
 
     def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -96,7 +95,7 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any,
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await read_body(state, request, DetokenizeRequest)
+        body = await validated_body(state, request, DetokenizeRequest)
         check_model(body.model)
         if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= state.vocab_size):
             raise InvalidField("tokens", f"token ids must be in 0..{state.vocab_size - 1}")

@@ -1,0 +1,123 @@
+"""Admission work for one request, bounded and off the event loop: read the body, parse it, tokenize it.
+
+The body is read up to ``max_request_bytes`` (413 as soon as it is over, 408 if it is too
+slow); parsing and validation run on a worker thread; the tokenizer (the front end's own
+copy, used from one worker thread only) sees a text only after a character check and then
+in growing prefixes (``bounded_tokenize``), so no single request can stall the event loop,
+and one that cannot fit the context costs work bounded by the context. Everything refused
+here is an :class:`InvalidField`: a 4xx in OpenAI's error envelope naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from pagedkv.serve import request_rules as rules
+from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
+from pagedkv.serve.prompt_render import render_chat
+from pagedkv.serve.protocol import InvalidField, validation_error_body
+from pagedkv.serve.sampling_fields import FieldError
+
+
+async def read_body(state: Any, request: Request) -> bytes:
+    """The raw body, at most ``max_request_bytes`` (413 as soon as it is over), within ``body_timeout_s`` (408)."""
+    limit = state.max_request_bytes
+    too_big = InvalidField(None, f"the request body is over this server's limit of {limit:,} bytes "
+                           "(--max-request-bytes)", 413)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidField(None, "the Content-Length header is not a number")
+        if int(declared) > limit:
+            raise too_big
+    chunks: list[bytes] = []
+    size = 0
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), state.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise InvalidField(None, f"the request body did not arrive within {state.body_timeout_s:g} s", 408) from None
+    return b"".join(chunks)
+
+
+def _validate(model: Any, raw: bytes) -> Any:
+    """Parse and validate a body (on a worker thread): the request model, or InvalidField naming the field."""
+    try:
+        data = rules.parse_json_object(raw)
+    except FieldError as exc:
+        raise InvalidField(exc.param or None, exc.message) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = validation_error_body(list(exc.errors(include_url=False)))["error"]
+        raise InvalidField(error["param"], error["message"]) from None
+
+
+async def validated_body(state: Any, request: Request, model: Any) -> Any:
+    """The body read within its limits and validated as ``model`` off the event loop."""
+    raw = await read_body(state, request)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+
+
+async def parse_request(state: Any, request: Request, model: Any) -> Any:
+    """A generation request's body, validated, with the fields pagedkv refuses refused."""
+    body = await validated_body(state, request, model)
+    body.refuse_unsupported()
+    return body
+
+
+def check_chars(field: str, chars: int, state: Any) -> None:
+    if chars > state.max_prompt_chars:
+        raise InvalidField(field, f"the {field} has {chars:,} characters, more than can fit in this model's "
+                           f"context of {state.max_model_len} tokens")
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], limit: int,
+                   add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of every prompt (on the tokenizer's thread); text the tokenizer cannot take is a 400."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(_tokenize("prompt", tokenizer, prompt, limit, add_special_tokens))
+        else:
+            out.append(list(prompt))
+    return out
+
+
+def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tokens: bool) -> list[int]:
+    try:
+        return tokenize_bounded(tokenizer, text, limit, add_special_tokens)
+    except TooManyTokens as exc:
+        raise InvalidField(field, f"the {field} has at least {exc.tokens} tokens; this model's context is {limit} "
+                           "tokens, which leaves no room for an answer") from None
+    except Exception as exc:  # noqa: BLE001 - the client's text, not the server, is at fault
+        raise InvalidField(field, f"the tokenizer cannot take this {field}: {type(exc).__name__}") from None
+
+
+def encode_chat(state: Any, conversation: list[dict[str, Any]], template_arguments: dict[str, Any],
+                add_special_tokens: bool) -> list[int]:
+    """The conversation through the chat template, as token ids (on the tokenizer's thread)."""
+    text = render_chat(state, conversation, template_arguments)
+    return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
+
+
+def check_ids(state: Any, ids: list[int]) -> list[int]:
+    if len(ids) >= state.max_model_len:
+        raise InvalidField("prompt", f"the prompt has {len(ids)} tokens; this model's context is "
+                           f"{state.max_model_len} tokens, which leaves no room for an answer")
+    if min(ids) < 0 or max(ids) >= state.vocab_size:
+        raise InvalidField("prompt", f"prompt token ids must be in 0..{state.vocab_size - 1}")
+    return list(ids)
