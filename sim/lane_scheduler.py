@@ -95,8 +95,10 @@ class DecodeLaneScheduling:
         super()._preempt(seq, out)
 
     def computed_tokens(self) -> int:
-        lane = self.lane  # the running list is the lane plus the few outside it
-        return lane.tokens() + sum(s.num_computed_tokens for s in lane.outside)
+        lane = self.lane  # the running list is the lane plus the few outside it (and, at the KV peak probe,
+        leaving = getattr(self, "_leaving", ())  # the members that left the lane this step and finish next)
+        return lane.tokens() + sum(s.num_computed_tokens for s in lane.outside) + sum(
+            s.num_computed_tokens for s in leaving)
 
     def _schedule_running(self, out: LaneOutput, budget: int) -> int:
         self.quiet = False
@@ -266,7 +268,11 @@ class DecodeLaneScheduling:
         update.generated += len(samples) + out.lane_decodes
         for seq in owed:
             seq.output_token_ids.append(lane.token)
-        self._probe_peak()
+        self._leaving = ended  # out of the lane, still holding their blocks: counted at the KV peak
+        try:
+            self._probe_peak()
+        finally:
+            self._leaving = []
         if ended:  # finish in running order, as one-by-one stepping does
             samples = sorted([*samples, *((s, lane.token, None) for s in ended)], key=lambda item: item[0].run_order)
         for seq, token, _ in samples:

@@ -252,3 +252,43 @@ def test_tokenize_detokenize_version_and_model_routes(server):
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     answer = client.post("/v1/completions", json=_completion(model="tiny-alias")).json()
     assert answer["model"] == "tiny"  # every served name is accepted; responses carry the first (vLLM)
+
+
+def test_server_limits_priority_policy_and_vllm_metric_names():
+    tokenizer = byte_level_tokenizer()
+    engine = tiny_chat_engine(tokenizer, scheduler="priority")
+    with running_server(engine, max_logprobs=2, metrics_prefix="vllm") as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as client:
+            too_many = client.post("/v1/completions", json=_completion(logprobs=3))
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+            assert client.post("/v1/completions", json=_completion(logprobs=2, priority=-5)).status_code == 200
+            metrics = client.get("/metrics").text
+    names = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line and not line.startswith("#")}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+                 "vllm:num_preemptions_total"):
+        assert name in names, name
+    assert not any(name.endswith("_created") for name in names) and not any("pagedkv:" in n for n in names)
+    assert 'vllm:request_queue_time_seconds_count{model_name="tiny"} 1.0' in metrics
+
+
+def test_generation_config_defaults_fill_only_unset_fields():
+    from transformers import GenerationConfig
+
+    from pagedkv.serve.generation_defaults import sampling_defaults
+
+    class Model:
+        generation_config = GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=99)
+
+    defaults = sampling_defaults("auto", Model())
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 99}
+    assert sampling_defaults("vllm", Model()) == {}
+    unset = CompletionRequest(prompt="x").sampling_params(16, None, defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
+    given = CompletionRequest(prompt="x", temperature=0.0, top_k=-1).sampling_params(16, None, defaults)
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, 0)
+    plain = CompletionRequest(prompt="x").sampling_params(16, None, {})
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)

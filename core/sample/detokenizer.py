@@ -72,12 +72,15 @@ class IncrementalDetokenizer:
         return delta
 
 
-def output_text(seq: Any, tokenizer: Any, final: bool = False, drop_last: bool = False) -> str:
+def output_text(seq: Any, tokenizer: Any, final: bool = False, drop_last: bool | None = None) -> str:
     """``seq``'s output text so far, decoded incrementally by a detokenizer kept on the sequence.
 
     ``drop_last``: the last token ended the sequence (EOS or a stop token id) and, unless the request
-    asked for ``include_stop_str_in_output``, its text is not part of the answer (vLLM's rule).
+    asked for ``include_stop_str_in_output``, its text is not part of the answer (vLLM's rule);
+    None: whether ``seq`` finished so (:func:`ends_by_token`).
     """
+    if drop_last is None:
+        drop_last = ends_by_token(seq)
     if tokenizer is None:
         return ""
     detokenizer = seq.detokenizer

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.kv.block_table import BlockTable
-from pagedkv.core.sample.detokenizer import ends_by_token, output_text
+from pagedkv.core.sample.detokenizer import output_text
 from pagedkv.core.sample.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -166,7 +166,7 @@ class RequestOutput:
         completions = []
         for index, seq in enumerate(seqs):
             if not isinstance(seq.stop_reason, str):
-                seq.output_text = output_text(seq, tokenizer, final=seq.is_finished, drop_last=ends_by_token(seq))
+                seq.output_text = output_text(seq, tokenizer, final=seq.is_finished)
             completions.append(seq.completion(index))
         first = seqs[0]
         return cls(request_id, first.prompt, list(first.prompt_token_ids), completions, finished,
