@@ -19,21 +19,29 @@ inline float row_scale(const int8_t* row, int head_dim) {
   return f;
 }
 
-// q . widen(k) over D values (D known at compile time for the common head dims, else `dim`).
+// A row's D int8 values widened to float once (D known at compile time for the common head dims, else
+// `dim`), then used by all G query heads of the group.
 template <int D>
-inline float dot_int8(const float* q, const int8_t* k, int dim) {
+inline void widen(float* out, const int8_t* row, int dim) {
+  const int n = D > 0 ? D : dim;
+#pragma omp simd
+  for (int d = 0; d < n; ++d) out[d] = static_cast<float>(row[d]);
+}
+
+template <int D>
+inline float dot(const float* q, const float* k, int dim) {
   const int n = D > 0 ? D : dim;
   float a = 0.0f;
 #pragma omp simd reduction(+ : a)
-  for (int d = 0; d < n; ++d) a += q[d] * static_cast<float>(k[d]);
+  for (int d = 0; d < n; ++d) a += q[d] * k[d];
   return a;
 }
 
 template <int D>
-inline void axpy_int8(float* acc, float w, const int8_t* v, int dim) {
+inline void axpy(float* acc, float w, const float* v, int dim) {
   const int n = D > 0 ? D : dim;
 #pragma omp simd
-  for (int d = 0; d < n; ++d) acc[d] += w * static_cast<float>(v[d]);
+  for (int d = 0; d < n; ++d) acc[d] += w * v[d];
 }
 
 struct Args {
@@ -62,7 +70,7 @@ void run(const Args& a, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qs(static_cast<size_t>(group) * dim), acc(static_cast<size_t>(group) * dim);
-    std::vector<float> scores;
+    std::vector<float> scores, wide(dim);
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; ++u) {
       const int s = u / a.num_kv_heads, kvh = u % a.num_kv_heads;
@@ -81,8 +89,9 @@ void run(const Args& a, int threads) {
         const int8_t* k = a.k_cache + static_cast<int64_t>(table[pos / a.block_size]) * block_stride +
                           (pos % a.block_size) * token_stride + kvh * row;
         const float ks = row_scale(k, dim);
+        widen<D>(wide.data(), k, dim);
         for (int g = 0; g < group; ++g) {
-          float sc = dot_int8<D>(&qs[g * dim], k, dim) * ks;
+          float sc = dot<D>(&qs[g * dim], wide.data(), dim) * ks;
           if (a.softcap > 0.0f) sc = a.softcap * std::tanh(sc / a.softcap);
           scores[g * n + i] = sc;
           maxes[g] = std::max(maxes[g], sc);
@@ -100,7 +109,8 @@ void run(const Args& a, int threads) {
         const int8_t* v = a.v_cache + static_cast<int64_t>(table[pos / a.block_size]) * block_stride +
                           (pos % a.block_size) * token_stride + kvh * row;
         const float vs = row_scale(v, dim);
-        for (int g = 0; g < group; ++g) axpy_int8<D>(&acc[g * dim], scores[g * n + i] * vs, v, dim);
+        widen<D>(wide.data(), v, dim);
+        for (int g = 0; g < group; ++g) axpy<D>(&acc[g * dim], scores[g * n + i] * vs, wide.data(), dim);
       }
       for (int g = 0; g < group; ++g) {
         float* dst = a.out + (static_cast<int64_t>(s) * a.num_heads + kvh * group + g) * dim;
