@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,15 +21,20 @@ LIMITS = ("--api-key", KEY, "--max-request-bytes", "64KiB", "--header-timeout", 
           "--timeout-keep-alive", "1", "--max-waiting", "8", "--max-num-seqs", "4")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
-    proc, url = start(model_dir, *LIMITS)
+def _serving(path: Path):
+    """A server with ``LIMITS`` for the module's tests, stopped after them."""
+    proc, url = start(path, *LIMITS)
     try:
         yield url, proc
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.communicate(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: F811
+    yield from _serving(model_dir)
 
 
 def post(url: str, path: str, body: object, **kwargs) -> httpx.Response:
@@ -180,13 +186,7 @@ def test_the_server_log_has_no_traceback_after_all_that(server):
 
 @pytest.fixture(scope="module")
 def fresh(model_dir):  # noqa: F811
-    proc, url = start(model_dir, *LIMITS)
-    try:
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.communicate(timeout=60)
+    yield from _serving(model_dir)
 
 
 def test_a_slowloris_and_a_silent_connection_are_closed(fresh):
