@@ -25,7 +25,8 @@ from textual.widgets import DataTable, Footer, Header, Static
 from pagedkv.core.telemetry_protocol import ProtocolError
 from pagedkv.core.trace import Trace, TraceError
 from pagedkv.monitor.blockmap import BlockMap
-from pagedkv.monitor.panels import MetricsPanel, RequestTable, legend, mapping_text, model_name
+from pagedkv.monitor.panels import MetricsPanel, legend, mapping_text, model_name
+from pagedkv.monitor.request_table import RequestTable
 from pagedkv.monitor.state import MonitorState
 from pagedkv.monitor.trace import apply_message
 
@@ -216,9 +217,16 @@ class MonitorApp(App):
             self.set_banner(text, "error")
 
     def _summary(self) -> str:
-        s = self.state.stats
-        return (f"{s.get('finished', 0)} requests finished, {s.get('generated', 0)} tokens generated, "
-                f"{s.get('preemptions', 0)} preemptions, step {self.state.step}")
+        """The end banner's counts: requests, not samples (an n=3 request is one request of three samples)."""
+        state = self.state
+        s = state.stats
+        count = state.finished_requests
+        requests = f"{'at least ' if state.joined_late else ''}{count} request{'' if count == 1 else 's'} finished"
+        samples = s.get("finished", count)
+        if samples != count:
+            requests += f" ({samples} samples)"
+        return (f"{requests}, {s.get('generated', 0)} tokens generated, "
+                f"{s.get('preemptions', 0)} preemptions, step {state.step}")
 
     # --- drawing ----------------------------------------------------------------------------------------
 
