@@ -46,31 +46,45 @@ class MetricsPanel(Vertical):
         self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots, 0-100%)[/]")
         self.query_one("#toks-label", Static).update(
             f"tokens/s [b]{state.tokens_per_s:7.1f}[/]  [dim](0-{toks_top:g}, this run's peak)[/]")
-        self.query_one("#counters", Static).update(status_text(state, paused))
+        counters = self.query_one("#counters", Static)
+        counters.update(status_text(state, paused, counters.content_region.width or 200))
 
 
-def status_text(state: MonitorState, paused: bool) -> Text:
-    """The counters under the sparklines, one ``label value`` item each; items never run into each other.
+def status_text(state: MonitorState, paused: bool, width: int = 200) -> Text:
+    """The counters under the sparklines: three groups of ``label value`` items, laid out for ``width``.
 
-    Items are joined by two spaces and wrap only between items, so a narrow panel breaks the line
-    between ``running 6`` and ``waiting 0``, never inside one, and no gap is lost at a line end.
+    A group that does not fit breaks between items, never inside one, and its continuation lines
+    start with two spaces, so even a copy of the screen with its lines joined keeps every label apart
+    from the value before it.
     """
     s = state.stats
     hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
-    items = [
-        ("running", s.get("running", 0)), ("waiting", s.get("waiting", 0)), ("swapped", s.get("swapped", 0)),
-        ("finished", s.get("finished", 0)), ("prefix hit", f"{hit:.1f}%"), ("CoW", s.get("cow", 0)),
-        ("swap out/in", f"{s.get('swap_out', 0)}/{s.get('swap_in', 0)}"), ("evicted", s.get("evicted", 0)),
-        ("preemptions", s.get("preemptions", 0)), ("step", state.step), ("seq", state.seq),
+    groups = [
+        [("running", s.get("running", 0)), ("waiting", s.get("waiting", 0)), ("swapped", s.get("swapped", 0)),
+         ("finished", s.get("finished", 0))],
+        [("prefix hit", f"{hit:.1f}%"), ("CoW", s.get("cow", 0)),
+         ("swap out/in", f"{s.get('swap_out', 0)}/{s.get('swap_in', 0)}"), ("evicted", s.get("evicted", 0))],
+        [("preemptions", s.get("preemptions", 0)), ("step", state.step), ("seq", state.seq)],
     ]
-    text = Text(no_wrap=False, overflow="fold")
-    for i, (label, value) in enumerate(items):
-        if i:
-            text.append("  ")
-        text.append(f"{label}\u00a0")
-        text.append(str(value), style="bold")
+    text = Text(no_wrap=True, overflow="crop")
+    used = 0
+    for g, group in enumerate(groups):
+        if g:
+            text.append("\n")
+        used = 0
+        for i, (label, value) in enumerate(group):
+            item = len(label) + 1 + len(str(value))
+            if i and used + 2 + item > width:
+                text.append("\n")
+                used = 0
+            if i:
+                text.append("  ")
+                used += 2
+            text.append(f"{label} ")
+            text.append(str(value), style="bold")
+            used += item
     if paused:
-        text.append("  ")
+        text.append("\n  " if used + 10 > width else "  ")
         text.append(" PAUSED ", style="reverse")
     return text
 
