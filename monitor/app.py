@@ -92,7 +92,7 @@ class MonitorApp(App):
                 yield BlockMap("cpu", id="cpu")
                 yield Static(legend(), id="legend")
             with Vertical(id="side"):
-                yield Static("Requests  [dim](↑/↓: show a request's blocks, esc: none)[/]", classes="title")
+                yield Static("Requests  [dim](↑/↓ select, esc clears)[/]", classes="title")
                 yield RequestTable(id="requests", cursor_type="row", zebra_stripes=True)
                 yield Static("", id="mapping")
                 yield MetricsPanel(id="metrics")

@@ -40,12 +40,12 @@ class MetricsPanel(Vertical):
         self.query_one("#toks", ScaledSparkline).set_data(history["tok_s"], toks_top)
         self.query_one("#kv-label", Static).update(
             f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]  {s.get('used', 0)} used · {s.get('cached', 0)} cached"
-            f" · {state.num_blocks} blocks  [dim](0-100%)[/]"
+            f" of {state.num_blocks}"
         )
         waste = s.get("waste", 0.0)
-        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots, 0-100%)[/]")
+        self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots)[/]")
         self.query_one("#toks-label", Static).update(
-            f"tokens/s [b]{state.tokens_per_s:7.1f}[/]  [dim](0-{toks_top:g}, this run's peak)[/]")
+            f"tokens/s [b]{state.tokens_per_s:7.1f}[/]  [dim](scale 0-{toks_top:g})[/]")
         counters = self.query_one("#counters", Static)
         counters.update(status_text(state, paused, counters.content_region.width or 200))
 
@@ -90,20 +90,17 @@ def status_text(state: MonitorState, paused: bool, width: int = 200) -> Text:
 
 
 def legend() -> Text:
-    """What each block glyph and colour means. Used and swapped blocks are drawn in their owner's colour
-    (the legend shows the first owner colour for both); only the grid (GPU or CPU) tells them apart."""
+    """What each block glyph and colour means. Used (GPU grid) and swapped (CPU grid) blocks share one entry:
+    both are drawn in their owner's colour, so a request reads the same in either grid."""
     owner = owner_color(0)
     text = Text()
     for label, (glyph, color) in (
-        ("free", LOOKS[FREE]), ("used", (LOOKS[USED][0], owner)), ("shared", LOOKS[SHARED]),
-        ("cached", LOOKS[CACHED]), ("swapped (CPU grid)", (LOOKS["swapped"][0], owner)),
+        ("free", LOOKS[FREE]), ("used/swapped (owner)", (LOOKS[USED][0], owner)), ("shared", LOOKS[SHARED]),
+        ("cached", LOOKS[CACHED]), ("selected", ("██", owner)),
     ):
         text.append(f"{glyph} ", style=f"bold {color}")
         text.append(label + "  ", style="#a8a8a8")
-    text.append("██", style=f"bold {owner}")
-    text.append(" selected request  ", style="#a8a8a8")
-    text.append("■", style=f"bold {owner}")
-    text.append(" = the owner's colour", style="#a8a8a8")
+    text.rstrip()
     return text
 
 
