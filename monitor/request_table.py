@@ -44,12 +44,24 @@ def row_order(state: MonitorState) -> list[str]:
     return [r.id for r in sorted(state.requests.values(), key=key)]
 
 
+class RequestId:
+    """An id cell: drawn shortened to the column, sorted by the full id (the table sorts rows by it)."""
+
+    def __init__(self, rid: str, width: int) -> None:
+        self.rid, self.width = rid, width
+
+    def __rich__(self) -> Text:
+        return Text(short_id(self.rid, self.width))
+
+
 class RequestTable(DataTable):
-    """One row per request the state knows; cells are updated in place until the order changes."""
+    """One row per request the state knows; cells are updated in place and rows re-sorted when the order changes
+    (a sort, not a rebuild: a busy run changes the order nearly every tick)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(cell_padding=0, **kwargs)
         self._order: list[str] = []
+        self._rows: set[str] = set()
         self._state: MonitorState | None = None
         self.id_width = MIN_ID_WIDTH
 
@@ -70,38 +82,47 @@ class RequestTable(DataTable):
         width = self._fit_id_width()
         if width != self.id_width:
             self.id_width = width
+            cursor = self._cursor_request()
             self.clear(columns=True)
             self._add_columns()
-            self._order = []
+            self._order, self._rows = [], set()
             if self._state is not None:
-                self.update_rows(self._state, set())
+                self.update_rows(self._state, set(self._state.requests), cursor)
 
     def cells(self, req: RequestInfo) -> tuple:
         return (
-            Text("■", style=owner_color(req.color)), short_id(req.id, self.id_width),
+            Text("■", style=owner_color(req.color)), RequestId(req.id, self.id_width),
             Text(req.state, style=STATE_STYLES.get(req.state, "")), str(req.prompt), str(req.generated),
             str(len(req.blocks) + len(req.cpu_blocks)), str(req.preemptions),
         )
 
-    def update_rows(self, state: MonitorState, dirty: set[str]) -> None:
-        """Bring the table up to ``state``: the ``dirty`` requests' cells, and the order if it changed."""
+    def _cursor_request(self) -> str | None:
+        if not self.row_count:
+            return None
+        return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
+
+    def update_rows(self, state: MonitorState, dirty: set[str], cursor: str | None = None) -> None:
+        """Bring the table up to ``state``: the ``dirty`` requests' rows, then the order if it changed
+        (the cursor stays on its request)."""
         self._state = state
-        order = row_order(state)
-        if order != self._order:
-            self._rebuild(state, order)
-            return
+        cursor = cursor or self._cursor_request()
         keys = ("color", "request", *(key for key, _, _ in COLUMNS[1:]))
         for rid in dirty:
             req = state.requests.get(rid)
-            if req is not None:
+            if req is None:
+                if rid in self._rows:
+                    self.remove_row(rid)
+                    self._rows.discard(rid)
+            elif rid in self._rows:
                 for key, value in zip(keys, self.cells(req)):
                     self.update_cell(rid, key, value)
-
-    def _rebuild(self, state: MonitorState, order: list[str]) -> None:
-        cursor = self._order[self.cursor_row] if 0 <= self.cursor_row < len(self._order) else None
-        self.clear()
-        for rid in order:
-            self.add_row(*self.cells(state.requests[rid]), key=rid)
-        self._order = order
-        if cursor in state.requests:
-            self.move_cursor(row=order.index(cursor), animate=False)
+            else:
+                self.add_row(*self.cells(req), key=rid)
+                self._rows.add(rid)
+        order = row_order(state)
+        if order != self._order:
+            position = {rid: i for i, rid in enumerate(order)}
+            self.sort("request", key=lambda cell: position.get(cell.rid, len(position)))
+            self._order = order
+            if cursor in position:
+                self.move_cursor(row=position[cursor], animate=False)
