@@ -25,7 +25,7 @@ from textual.widgets import DataTable, Footer, Header, Static
 from pagedkv.core.telemetry_protocol import ProtocolError
 from pagedkv.core.trace import Trace, TraceError
 from pagedkv.monitor.blockmap import BlockMap
-from pagedkv.monitor.panels import MetricsPanel, legend, mapping_text, model_name
+from pagedkv.monitor.panels import MetricsPanel, end_summary, legend, mapping_text, model_name
 from pagedkv.monitor.request_table import RequestTable
 from pagedkv.monitor.state import MonitorState
 from pagedkv.monitor.trace import apply_message
@@ -78,6 +78,7 @@ class MonitorApp(App):
         self._timer: Any = None
         self._replay_done = False
         self.terminated = False  # SIGTERM ended the dashboard
+        self._run = 0  # the state's run count when last drawn: a new run clears the selection
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -217,16 +218,7 @@ class MonitorApp(App):
             self.set_banner(text, "error")
 
     def _summary(self) -> str:
-        """The end banner's counts: requests, not samples (an n=3 request is one request of three samples)."""
-        state = self.state
-        s = state.stats
-        count = state.finished_requests
-        requests = f"{'at least ' if state.joined_late else ''}{count} request{'' if count == 1 else 's'} finished"
-        samples = s.get("finished", count)
-        if samples != count:
-            requests += f" ({samples} samples)"
-        return (f"{requests}, {s.get('generated', 0)} tokens generated, "
-                f"{s.get('preemptions', 0)} preemptions, step {state.step}")
+        return end_summary(self.state)
 
     # --- drawing ----------------------------------------------------------------------------------------
 
@@ -246,6 +238,10 @@ class MonitorApp(App):
         everything, blocks, cpu_blocks, requests = state.take_dirty()
         stale = self.trace is None and (not self.connected or not state.synced) and state.seq is not None
         gpu, cpu = self.query_one("#gpu", BlockMap), self.query_one("#cpu", BlockMap)
+        if state.runs != self._run:
+            self._run = state.runs
+            if self.selected is not None:  # the old run's request: the same id in the new run is another request
+                self.action_select(None)
         if everything:
             self._show_cpu(state.num_cpu_blocks > 0)
             self.title = f"pagedkv monitor — {model_name(state.model)}"

@@ -89,6 +89,18 @@ def status_text(state: MonitorState, paused: bool, width: int = 200) -> Text:
     return text
 
 
+def end_summary(state: MonitorState) -> str:
+    """The end banner's counts: requests, not samples (an n=3 request is one request of three samples)."""
+    s = state.stats
+    count = state.finished_requests
+    requests = f"{'at least ' if state.joined_late else ''}{count} request{'' if count == 1 else 's'} finished"
+    samples = s.get("finished", count)
+    if samples != count:
+        requests += f" ({samples} samples)"
+    return (f"{requests}, {s.get('generated', 0)} tokens generated, "
+            f"{s.get('preemptions', 0)} preemptions, step {state.step}")
+
+
 def legend() -> Text:
     """What each block glyph and colour means. Used (GPU grid) and swapped (CPU grid) blocks share one entry:
     both are drawn in their owner's colour, so a request reads the same in either grid."""

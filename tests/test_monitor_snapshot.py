@@ -90,6 +90,7 @@ def test_after_reconnecting_to_a_new_run_the_dashboard_shows_only_that_run(snap_
 
     async def run_before(pilot):
         await wait_for(lambda: app.state.step == 8 and app.banner_text == "")
+        app.action_select("old3")
         engines[0].go_away.set()
         await wait_for(lambda: "disconnected" in app.banner_text)
         engines[0].thread.join(5)
@@ -99,6 +100,7 @@ def test_after_reconnecting_to_a_new_run_the_dashboard_shows_only_that_run(snap_
         await pilot.pause(0.2)
         assert app.state.tokens_per_s == 20.0 and sorted(app.state.requests) == ["new1", "new2", "new3"]
         assert app.query_one("#requests").row_count == 3
+        assert app.selected is None  # the old run's request is not carried over
 
     try:
         assert snap_compare(app, terminal_size=(120, 34), run_before=run_before)
