@@ -96,7 +96,7 @@ def test_after_reconnecting_to_a_new_run_the_dashboard_shows_only_that_run(snap_
         engines[0].thread.join(5)
         (tmp_path / "e.sock").unlink()
         engines.append(FakeEngine("e.sock", _run_stream(2000.0, 3, 20, "new", 10.0)))
-        await wait_for(lambda: app.state.runs == 2 and app.state.step == 3 and app.banner_text == "")
+        await wait_for(lambda: "new3" in app.state.requests and app.state.step == 3 and app.banner_text == "")
         await pilot.pause(0.2)
         assert app.state.tokens_per_s == 20.0 and sorted(app.state.requests) == ["new1", "new2", "new3"]
         assert app.query_one("#requests").row_count == 3
