@@ -78,3 +78,30 @@ def test_the_end_counts_requests_not_samples():
     assert [state.requests[r].state for r in "ab"] == ["finished", "finished"]
     assert state.finished_requests == 2 and not state.joined_late
     assert [state.requests[r].finished_order for r in "ab"] == [1, 2]
+
+
+def test_a_monitor_that_joins_mid_run_says_its_count_is_a_lower_bound():
+    from pagedkv.monitor.panels import end_summary
+
+    state = MonitorState()
+    state.apply(_hello(1.0))
+    state.apply(_msg("snapshot", 7, 7.0, step=7, refs=[0] * 8, kept=[], requests=[], stats={"finished": 5}))
+    state.apply(_msg("delta", 8, 8.0, step=8, progress={}, stats={"finished": 6},
+                     events=[["request_finish", {"request": "z", "reason": "stop"}]]))
+    assert state.joined_late and end_summary(state).startswith("at least 1 request finished (6 samples)")
+
+
+def test_the_finished_requests_kept_are_the_most_recently_finished():
+    from pagedkv.monitor.state import MAX_FINISHED
+
+    state = MonitorState()
+    state.apply(_hello(1.0))
+    state.apply(_msg("snapshot", 0, 0.0, step=0, refs=[0] * 8, kept=[], requests=[], stats={}))
+    n = 2 * MAX_FINISHED + 1
+    adds = [["request_add", {"request": f"q{i}", "prompt_tokens": 1}] for i in range(n)]
+    finishes = [["request_finish", {"request": f"q{i}", "reason": "stop"}] for i in reversed(range(n))]
+    state.apply(_msg("delta", 1, 1.0, step=1, progress={}, stats={}, events=adds + finishes))
+    state.apply(_msg("delta", 2, 2.0, step=2, progress={}, stats={},  # a new request triggers the trim
+                     events=[["request_add", {"request": "last", "prompt_tokens": 1}]]))
+    kept = {rid for rid, r in state.requests.items() if r.state == "finished"}
+    assert kept == {f"q{i}" for i in range(MAX_FINISHED)}  # finished last (in reverse arrival order)
