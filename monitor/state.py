@@ -4,6 +4,8 @@ Plain Python (no Textual), so it is tested without a UI and could drive any
 front end. Deltas are applied only in order; a gap in ``seq`` (a dropped or
 lost line) marks the state out of sync until the next snapshot, which replaces
 everything. Event kinds this reducer does not know are counted and skipped.
+A ``hello`` from a different engine run (see :func:`hello_run_id`) starts the state over: blocks,
+requests, colours, stats, rates and history; the same run's hello again (a reconnect) keeps them.
 """
 
 from __future__ import annotations
