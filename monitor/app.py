@@ -25,7 +25,8 @@ from textual.widgets import DataTable, Footer, Header, Static
 from pagedkv.core.telemetry_protocol import ProtocolError
 from pagedkv.core.trace import Trace, TraceError
 from pagedkv.monitor.blockmap import BlockMap
-from pagedkv.monitor.panels import MetricsPanel, RequestTable, legend, mapping_text, model_name
+from pagedkv.monitor.panels import MetricsPanel, end_summary, legend, mapping_text, model_name
+from pagedkv.monitor.request_table import RequestTable
 from pagedkv.monitor.state import MonitorState
 from pagedkv.monitor.trace import apply_message
 
@@ -77,6 +78,7 @@ class MonitorApp(App):
         self._timer: Any = None
         self._replay_done = False
         self.terminated = False  # SIGTERM ended the dashboard
+        self._run = 0  # the state's run count when last drawn: a new run clears the selection
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class MonitorApp(App):
                 yield BlockMap("cpu", id="cpu")
                 yield Static(legend(), id="legend")
             with Vertical(id="side"):
-                yield Static("Requests  [dim](↑/↓: show a request's blocks, esc: none)[/]", classes="title")
+                yield Static("Requests  [dim](↑/↓ select, esc clears)[/]", classes="title")
                 yield RequestTable(id="requests", cursor_type="row", zebra_stripes=True)
                 yield Static("", id="mapping")
                 yield MetricsPanel(id="metrics")
@@ -216,9 +218,7 @@ class MonitorApp(App):
             self.set_banner(text, "error")
 
     def _summary(self) -> str:
-        s = self.state.stats
-        return (f"{s.get('finished', 0)} requests finished, {s.get('generated', 0)} tokens generated, "
-                f"{s.get('preemptions', 0)} preemptions, step {self.state.step}")
+        return end_summary(self.state)
 
     # --- drawing ----------------------------------------------------------------------------------------
 
@@ -238,6 +238,10 @@ class MonitorApp(App):
         everything, blocks, cpu_blocks, requests = state.take_dirty()
         stale = self.trace is None and (not self.connected or not state.synced) and state.seq is not None
         gpu, cpu = self.query_one("#gpu", BlockMap), self.query_one("#cpu", BlockMap)
+        if state.runs != self._run:
+            self._run = state.runs
+            if self.selected is not None:  # the old run's request: the same id in the new run is another request
+                self.action_select(None)
         if everything:
             self._show_cpu(state.num_cpu_blocks > 0)
             self.title = f"pagedkv monitor — {model_name(state.model)}"

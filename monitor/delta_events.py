@@ -27,6 +27,9 @@ class DeltaEvents:
     def _request(self, rid: str) -> Any:
         raise NotImplementedError
 
+    def _finished(self, req: Any) -> None:
+        raise NotImplementedError
+
     def _set(self, block: int, refs: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise IndexError(f"block {block} is out of range 0..{self.num_blocks - 1}")
@@ -147,8 +150,9 @@ class DeltaEvents:
         req.samples -= 1
         if "generated" in d:  # the final count, the last sampled token included (progress lags it by one)
             req.finished_generated += int(d["generated"])
-        if req.samples <= 0:
-            req.state, req.finish_reason = "finished", d.get("reason")
+        if req.samples <= 0 and req.state != "finished":
+            req.finish_reason = d.get("reason")
+            self._finished(req)
             if "generated" in d:
                 req.generated = req.finished_generated
         self.dirty_requests.add(req.id)

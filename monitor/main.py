@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from pagedkv.core.errors import PagedKVError
 
@@ -64,15 +66,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         _need_terminal()
         app = MonitorApp(connect=args.connect)
-    app.run()
-    return _after(app)
+    return _run_app(app)
 
 
-def _after(app: object) -> int:
-    """The exit status once the dashboard is gone: 143 if SIGTERM closed it (SIGTERM raises again from here)."""
-    from pagedkv.core.interrupts import raise_on_sigterm
+def _run_app(app: Any) -> int:
+    """Run the dashboard; the exit status once it is gone: 143 if SIGTERM closed it, else 0.
 
-    raise_on_sigterm()  # the app's loop took SIGTERM over and, closing, reset it
+    Textual's loop takes SIGTERM over and, closing, resets it to the default; the handler the
+    caller had (the CLI's, which raises so clean-up runs) is put back here, so SIGTERM during the
+    rest of ``engine run --monitor`` still stops the run cleanly.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        app.run()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 143 if getattr(app, "terminated", False) else 0
 
 
@@ -109,8 +119,7 @@ def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Names
     captured: list[str] = []
     worker = threading.Thread(target=work, name="pagedkv-engine", daemon=True)
     app = MonitorApp(connect=run_args.telemetry, on_start=worker.start, capture=captured)
-    app.run()
-    status = _after(app)
+    status = _run_app(app)
     sys.stdout.write("".join(captured))
     if status:
         print("engine: terminated (SIGTERM)", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""The dashboard's side panels: the request table and the metrics, each drawn from a :class:`MonitorState`.
+"""The dashboard's metrics panel, legend and request mapping, each drawn from a :class:`MonitorState`.
 
 Widgets only: they read the reducer's state and never change it. The app decides when to redraw.
 """
@@ -12,45 +12,11 @@ from typing import Any
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import DataTable, Sparkline, Static
+from textual.widgets import Static
 
-from pagedkv.monitor.blockmap import GREY, LOOKS, owner_color
+from pagedkv.monitor.blockmap import LOOKS, owner_color
+from pagedkv.monitor.sparkline import ScaledSparkline, nice_ceiling
 from pagedkv.monitor.state import CACHED, FREE, SHARED, USED, MonitorState
-
-COLUMNS = ("", "request", "state", "prompt", "gen", "blocks", "preempt")
-HEADERS = ("", "id", "state", "prompt", "gen", "blk", "pre")
-STATE_STYLES = {"running": "bold #87d75f", "waiting": "#ffaf5f", "swapped": "#d787ff", "finished": GREY}
-
-
-class RequestTable(DataTable):
-    """One row per request the state knows, updated only for the request ids the reducer marked dirty."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._rows: set[str] = set()
-
-    def on_mount(self) -> None:
-        for name, header in zip(COLUMNS, HEADERS):  # state: as wide as its longest word from the start
-            self.add_column(header, key=name or "color", width=len("finished") if name == "state" else None)
-
-    def update_rows(self, state: MonitorState, dirty: set[str]) -> None:
-        for rid in sorted(dirty, key=lambda r: (len(r), r)):
-            req = state.requests.get(rid)
-            if req is None:
-                if rid in self._rows:
-                    self.remove_row(rid)
-                    self._rows.discard(rid)
-                continue
-            cells = (
-                Text("■", style=owner_color(req.color)), rid, Text(req.state, style=STATE_STYLES.get(req.state, "")),
-                str(req.prompt), str(req.generated), str(len(req.blocks) + len(req.cpu_blocks)), str(req.preemptions),
-            )
-            if rid in self._rows:
-                for name, value in zip(COLUMNS, cells):
-                    self.update_cell(rid, name or "color", value)
-            else:
-                self.add_row(*cells, key=rid)
-                self._rows.add(rid)
 
 
 class MetricsPanel(Vertical):
@@ -58,49 +24,95 @@ class MetricsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="kv-label", classes="metric")
-        yield Sparkline([], id="kv", summary_function=max)
+        yield ScaledSparkline("#5fafff", "#ff5f5f", id="kv")
         yield Static("", id="waste-label", classes="metric")
-        yield Sparkline([], id="waste", summary_function=max)
+        yield ScaledSparkline("#5f875f", "#ffaf5f", id="waste")
         yield Static("", id="toks-label", classes="metric")
-        yield Sparkline([], id="toks", summary_function=max)
+        yield ScaledSparkline("#005f5f", "#87ff87", id="toks")
         yield Static("", id="counters")
 
     def update_metrics(self, state: MonitorState, paused: bool) -> None:
         s = state.stats
         history = state.history
-        self.query_one("#kv", Sparkline).data = list(history["kv_usage"])  # empty until data: no bar
-        self.query_one("#waste", Sparkline).data = list(history["waste"])
-        self.query_one("#toks", Sparkline).data = list(history["tok_s"])
+        toks_top = nice_ceiling(state.peak_tok_s)
+        self.query_one("#kv", ScaledSparkline).set_data(history["kv_usage"], 100.0)
+        self.query_one("#waste", ScaledSparkline).set_data(history["waste"], 100.0)
+        self.query_one("#toks", ScaledSparkline).set_data(history["tok_s"], toks_top)
         self.query_one("#kv-label", Static).update(
             f"KV usage [b]{s.get('kv_usage', 0.0):5.1f}%[/]  {s.get('used', 0)} used · {s.get('cached', 0)} cached"
-            f" · {state.num_blocks} blocks"
+            f" of {state.num_blocks}"
         )
         waste = s.get("waste", 0.0)
         self.query_one("#waste-label", Static).update(f"KV waste [b]{waste:5.1f}%[/]  [dim](empty slots)[/]")
-        self.query_one("#toks-label", Static).update(f"tokens/s [b]{state.tokens_per_s:7.1f}[/]")
-        hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
-        pause = "  [reverse] PAUSED [/]" if paused else ""
-        self.query_one("#counters", Static).update(
-            f"running [b]{s.get('running', 0)}[/]  waiting [b]{s.get('waiting', 0)}[/]  "
-            f"swapped [b]{s.get('swapped', 0)}[/]  finished [b]{s.get('finished', 0)}[/]\n"
-            f"prefix hit [b]{hit:.1f}%[/]  CoW [b]{s.get('cow', 0)}[/]  "
-            f"swap out/in [b]{s.get('swap_out', 0)}/{s.get('swap_in', 0)}[/]  evicted [b]{s.get('evicted', 0)}[/]\n"
-            f"preemptions [b]{s.get('preemptions', 0)}[/]  step [b]{state.step}[/]  seq {state.seq}{pause}"
-        )
+        self.query_one("#toks-label", Static).update(
+            f"tokens/s [b]{state.tokens_per_s:7.1f}[/]  [dim](scale 0-{toks_top:g})[/]")
+        counters = self.query_one("#counters", Static)
+        counters.update(status_text(state, paused, counters.content_region.width or 200))
+
+
+def status_text(state: MonitorState, paused: bool, width: int = 200) -> Text:
+    """The counters under the sparklines: three groups of ``label value`` items, laid out for ``width``.
+
+    A group that does not fit breaks between items, never inside one, and its continuation lines
+    start with two spaces, so even a copy of the screen with its lines joined keeps every label apart
+    from the value before it.
+    """
+    s = state.stats
+    hit = 100.0 * float(s.get("prefix_hit_rate", 0.0))
+    groups = [
+        [("running", s.get("running", 0)), ("waiting", s.get("waiting", 0)), ("swapped", s.get("swapped", 0)),
+         ("finished", s.get("finished", 0))],
+        [("prefix hit", f"{hit:.1f}%"), ("CoW", s.get("cow", 0)),
+         ("swap out/in", f"{s.get('swap_out', 0)}/{s.get('swap_in', 0)}"), ("evicted", s.get("evicted", 0))],
+        [("preemptions", s.get("preemptions", 0)), ("step", state.step), ("seq", state.seq)],
+    ]
+    text = Text(no_wrap=True, overflow="crop")
+    used = 0
+    for g, group in enumerate(groups):
+        if g:
+            text.append("\n")
+        used = 0
+        for i, (label, value) in enumerate(group):
+            item = len(label) + 1 + len(str(value))
+            if i and used + 2 + item > width:
+                text.append("\n")
+                used = 0
+            if i:
+                text.append("  ")
+                used += 2
+            text.append(f"{label} ")
+            text.append(str(value), style="bold")
+            used += item
+    if paused:
+        text.append("\n  " if used + 10 > width else "  ")
+        text.append(" PAUSED ", style="reverse")
+    return text
+
+
+def end_summary(state: MonitorState) -> str:
+    """The end banner's counts: requests, not samples (an n=3 request is one request of three samples)."""
+    s = state.stats
+    count = state.finished_requests
+    requests = f"{'at least ' if state.joined_late else ''}{count} request{'' if count == 1 else 's'} finished"
+    samples = s.get("finished", count)
+    if samples != count:
+        requests += f" ({samples} samples)"
+    return (f"{requests}, {s.get('generated', 0)} tokens generated, "
+            f"{s.get('preemptions', 0)} preemptions, step {state.step}")
 
 
 def legend() -> Text:
-    """What each block glyph and colour means."""
+    """What each block glyph and colour means. Used (GPU grid) and swapped (CPU grid) blocks share one entry:
+    both are drawn in their owner's colour, so a request reads the same in either grid."""
+    owner = owner_color(0)
     text = Text()
     for label, (glyph, color) in (
-        ("free", LOOKS[FREE]), ("used (owner)", (LOOKS[USED][0], owner_color(0))),
-        ("shared", LOOKS[SHARED]), ("cached", LOOKS[CACHED]),
-        ("swapped", (LOOKS["swapped"][0], owner_color(1))),
+        ("free", LOOKS[FREE]), ("used/swapped (owner)", (LOOKS[USED][0], owner)), ("shared", LOOKS[SHARED]),
+        ("cached", LOOKS[CACHED]), ("selected", ("██", owner)),
     ):
         text.append(f"{glyph} ", style=f"bold {color}")
         text.append(label + "  ", style="#a8a8a8")
-    text.append("██", style=f"bold {owner_color(2)}")
-    text.append(" selected request", style="#a8a8a8")
+    text.rstrip()
     return text
 
 

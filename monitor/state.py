@@ -4,6 +4,8 @@ Plain Python (no Textual), so it is tested without a UI and could drive any
 front end. Deltas are applied only in order; a gap in ``seq`` (a dropped or
 lost line) marks the state out of sync until the next snapshot, which replaces
 everything. Event kinds this reducer does not know are counted and skipped.
+A ``hello`` from a different engine run (see :func:`hello_run_id`) starts the state over: blocks,
+requests, colours, stats, rates and history; the same run's hello again (a reconnect) keeps them.
 """
 
 from __future__ import annotations
@@ -34,10 +36,27 @@ class RequestInfo:
     finish_reason: str | None = None
     samples: int = 1  # sequences still live (n > 1 requests finish one sample at a time)
     finished_generated: int = 0  # tokens of the samples that have finished, summed
+    finished_order: int = 0  # when it finished, among this run's requests (the table lists the newest first)
+
+
+def hello_run_id(msg: dict) -> tuple:
+    """What tells one engine run from another: its start time (``wall``, in every hello since protocol 1)
+    and what it serves. A reconnect to the same run gets the same hello, sent again."""
+    return tuple(msg.get(k) for k in ("wall", "backend", "model", "device", "num_blocks", "block_size",
+                                      "num_cpu_blocks"))
 
 
 class MonitorState(DeltaEvents):
     def __init__(self) -> None:
+        self.messages = 0
+        self.runs = 0  # runs seen: a hello from a different engine run resets everything else
+        self.run_id: tuple | None = None
+        self.requests: dict[str, RequestInfo] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget the previous run: blocks, requests, stats, rates and history (the table drops its rows)."""
+        gone = set(self.requests)
         self.num_blocks = 0
         self.block_size = 0
         self.num_cpu_blocks = 0
@@ -52,7 +71,6 @@ class MonitorState(DeltaEvents):
         self.gaps = 0  # times a missing delta was detected
         self.resyncs = 0  # snapshots that found the state out of sync
         self.unknown_events: dict[str, int] = {}
-        self.messages = 0
         self.refs: list[int] = []
         self.kept: set[int] = set()
         self.holders: list[list[str]] = []
@@ -61,10 +79,14 @@ class MonitorState(DeltaEvents):
         self.stats: dict[str, Any] = {}
         self.history: dict[str, deque[float]] = {k: deque(maxlen=HISTORY) for k in ("kv_usage", "waste", "tok_s")}
         self._rate_window: deque[tuple[float, int]] = deque()
+        self.peak_tok_s = 0.0  # this run's highest tokens/s: the rate sparkline's scale only grows
         self._colors = 0
+        self.finished_requests = 0  # requests (not samples) seen finishing in this run
+        self.joined_late = False  # the first keyframe already counted finished samples: the count above is short
+        self._first_keyframe = True
         self.dirty: set[int] = set()
         self.dirty_cpu: set[int] = set()
-        self.dirty_requests: set[str] = set()
+        self.dirty_requests: set[str] = gone
         self.all_dirty = True
 
     # --- reading ----------------------------------------------------------------------------------
@@ -119,6 +141,9 @@ class MonitorState(DeltaEvents):
                 self.ended = True
 
     def _hello(self, msg: dict) -> None:
+        run_id = hello_run_id(msg)
+        if self.runs == 0 or run_id != self.run_id:
+            self._new_run(run_id)
         self.backend = str(msg.get("backend", "?"))
         self.model = str(msg.get("model", "?"))
         self.device = str(msg.get("device", "?"))
@@ -127,6 +152,12 @@ class MonitorState(DeltaEvents):
         self.ended = False
         self.seq, self.synced = None, False  # a new stream: its versions start again
         self._resize(msg["num_blocks"])
+
+    def _new_run(self, run_id: tuple | None) -> None:
+        if self.runs:
+            self._reset()
+        self.runs += 1
+        self.run_id = run_id
 
     def _resize(self, num_blocks: int) -> None:
         if num_blocks != self.num_blocks or len(self.refs) != num_blocks:
@@ -180,7 +211,8 @@ class MonitorState(DeltaEvents):
             self.dirty_requests.add(rid)
         for req in self.requests.values():
             if req.id not in seen and req.state != "finished":
-                req.state, req.blocks = "finished", []
+                self._finished(req)
+                req.blocks = []
                 for b in req.cpu_blocks:
                     self.cpu_holders.pop(b, None)
                     self.dirty_cpu.add(b)
@@ -191,6 +223,9 @@ class MonitorState(DeltaEvents):
                     or old_holders[b] != self.holders[b]):
                 self.dirty.add(b)
         self.seq, self.step, self.synced = msg["seq"], msg["step"], True
+        if self._first_keyframe:
+            self._first_keyframe = False
+            self.joined_late = bool((msg.get("stats") or {}).get("finished"))
         self._take_stats(msg)
 
     def _delta(self, msg: dict) -> None:
@@ -237,6 +272,7 @@ class MonitorState(DeltaEvents):
             t0, g0 = window[0]
             rate = (window[-1][1] - g0) / (t - t0) if t > t0 else 0.0
             self.history["tok_s"].append(max(0.0, rate))
+            self.peak_tok_s = max(self.peak_tok_s, rate)
 
     # --- requests (the block and request events are in delta_events.py) -------------------------
 
@@ -249,10 +285,17 @@ class MonitorState(DeltaEvents):
             self._trim_finished()
         return req
 
+    def _finished(self, req: RequestInfo) -> None:
+        req.state = "finished"
+        self.finished_requests += 1
+        req.finished_order = self.finished_requests
+        self.dirty_requests.add(req.id)
+
     def _trim_finished(self) -> None:
         if len(self.requests) <= MAX_FINISHED * 2:
             return
-        finished = [r.id for r in self.requests.values() if r.state == "finished"]
+        done = sorted((r for r in self.requests.values() if r.state == "finished"), key=lambda r: r.finished_order)
+        finished = [r.id for r in done]
         for rid in finished[: len(finished) - MAX_FINISHED]:
             del self.requests[rid]
             self.dirty_requests.add(rid)

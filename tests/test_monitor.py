@@ -216,6 +216,7 @@ def test_a_run_that_ends_shows_run_finished_with_its_summary_not_an_error(tmp_pa
     trace = small_trace(tmp_path / "t.ndjson")
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     lines[-1]["stats"].update(finished=2, generated=12, preemptions=0)
+    lines[-1]["events"].append(["request_finish", {"request": "b", "reason": "stop"}])
     lines.append(_msg("end", len(lines) - 2, 5.0, step=4))
     fake = FakeEngine(tmp_path / "e.sock", lines)
     app = MonitorApp(connect=f"unix:{tmp_path / 'e.sock'}")

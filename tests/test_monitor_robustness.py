@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
 import signal
 import socket
 import subprocess
@@ -99,6 +100,46 @@ def test_in_a_terminal_sigterm_ends_the_monitor_promptly():
             time.sleep(0.05)
         else:
             pytest.fail("the monitor was still running 5 s after SIGTERM")
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def test_in_a_terminal_q_quits_a_replay_with_status_0_and_no_traceback(tmp_path):
+    """Quitting once ran into an import of a module that had moved (``pagedkv.core.interrupts``): exit 1."""
+    trace = tmp_path / "t.ndjson"
+    trace.write_text(json.dumps({**HELLO, "v": 3}) + "\n" + json.dumps(
+        {"v": 3, "seq": 0, "type": "snapshot", "t": 0, "step": 0, "refs": [0] * 8, "kept": [], "requests": [],
+         "stats": {}}) + "\n")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.update(QUIET)
+        os.chdir(ROOT)
+        os.execv(ENGINE[0], [*ENGINE, "monitor", "--replay", str(trace)])
+    out = bytearray()
+    try:
+        started, sent = time.monotonic(), False
+        while time.monotonic() - started < 60:
+            if not sent and b"end of replay" in out:  # Textual is up and has drawn the banner
+                os.write(fd, b"q")
+                sent = True
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        _, status = os.waitpid(pid, 0)
+        assert sent, "the dashboard never drew its end-of-replay banner"
+        assert b"Traceback" not in out, out[-2000:].decode(errors="replace")
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
