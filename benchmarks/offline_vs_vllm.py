@@ -31,16 +31,24 @@ VLLM_PYTHON = PEERS / "vllm" / "venv" / "bin" / "python"
 # The vLLM side runs in vLLM's own venv: it must not import pagedkv.
 VLLM_WORKER = r"""
 import json, sys, time
-job = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
-          kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"], max_num_seqs=job["max_num_seqs"])
-params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
-llm.generate([{"prompt_token_ids": job["prompts"][0][:8]}], SamplingParams(temperature=0.0, max_tokens=4))
-start = time.perf_counter()
-outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-json.dump({"seconds": elapsed, "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+
+
+def main():  # vLLM spawns its engine-core process, which re-imports this file: the work must sit under a guard
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+              kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"], max_num_seqs=job["max_num_seqs"])
+    params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+    llm.generate([{"prompt_token_ids": job["prompts"][0][:8]}], SamplingParams(temperature=0.0, max_tokens=4))
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    json.dump({"seconds": elapsed, "tokens": tokens}, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
 """
 
 PAGEDKV_WORKER = r"""
@@ -80,7 +88,7 @@ def _run(label: str, python: str, worker: str, job: dict, env: dict[str, str], t
         done = subprocess.run([python, str(script), str(job_file), str(out_file)], env={**os.environ, **env},
                               capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if done.returncode != 0 or not out_file.exists():
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-60:])
             raise SystemExit(f"{label} failed (rc {done.returncode}):\n{tail}")
         result = json.loads(out_file.read_text())
         result["load"] = load
@@ -114,8 +122,8 @@ def main() -> int:
            "tokens": args.tokens, "threads": args.threads, "backend": args.backend, "eager": args.eager,
            "max_model_len": args.prompt_len + args.tokens + 16, "kv_bytes": args.kv_bytes,
            "max_num_seqs": max(args.prompts, 1)}
-    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_TARGET_DEVICE": "cpu",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     sides = {"pagedkv": (str(ROOT / ".venv" / "bin" / "python"), PAGEDKV_WORKER, {}),
              "vllm": (str(VLLM_PYTHON), VLLM_WORKER, vllm_env)}
     runs: dict[str, list[dict]] = {name: [] for name in sides}

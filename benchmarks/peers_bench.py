@@ -52,7 +52,8 @@ def peer_servers(names: list[str], port: int, threads: int) -> list[Server]:
     cores = f"0-{threads - 1}"
     for name in names:
         if name in ("vllm", "vllm-eager"):
-            env = {"VLLM_CPU_OMP_THREADS_BIND": cores, **({"EAGER": "1"} if name == "vllm-eager" else {})}
+            env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_TARGET_DEVICE": "cpu",
+                   **({"EAGER": "1"} if name == "vllm-eager" else {})}
             python = PEERS / "vllm" / "venv" / "bin" / "python"
             missing = "" if python.exists() else f"not installed ({python} missing; {PEERS_DIR}/vllm_install.sh)"
             servers.append(Server(name, ["bash", str(PEERS_DIR / "vllm_start.sh"), str(port)], env, missing, 900))
