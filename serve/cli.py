@@ -190,10 +190,12 @@ def _server_class() -> type:
             self._force: threading.Timer | None = None
 
         async def startup(self, sockets: Any = None) -> None:
+            from pagedkv.core.startup_phases import phase
             from pagedkv.serve.connection_guard import quiet_accept_errors
 
             quiet_accept_errors(asyncio.get_running_loop())
-            await super().startup(sockets=sockets)
+            with phase("server listening"):
+                await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises a captured signal after shutting down (a traceback for SIGINT,
