@@ -57,7 +57,7 @@ class ModelRunner:
             self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
         # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step
         # (pagedkv.core.model.cpu_linear); after the KV cache, which has the first claim on memory
-        with phase("linear layers packed"):
+        with phase("linear layers set to pack at first use"):
             self.packed_linears = device == "cpu" and pack_linears(model) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
