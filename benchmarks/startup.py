@@ -7,8 +7,12 @@ answers 200; then SIGINT). The phase lines are those ``pagedkv.core.startup_phas
 round of a session may be cold (the page cache, the CPU kernel's cached build); read warm figures
 from the later rounds. ``--fresh-cache`` points ``PAGEDKV_CACHE`` at an empty directory for the first
 round, so it pays the one-time conversions (GGUF to safetensors, kernel build) as a new user does.
+``--compare DIR`` runs a second source tree of pagedkv (e.g. ``git archive COMMIT | tar -x -C DIR``)
+in the same rounds, alternating with this one, through ``PYTHONPATH`` with this venv's packages: a
+before/after in one session, under the same load. CPU time is the child's user + sys.
 
     python benchmarks/startup.py --rounds 3
+    python benchmarks/startup.py --rounds 3 --compare /tmp/pagedkv-before
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -27,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ENGINE = str(Path(sys.executable).with_name("engine"))
+ENGINE = [str(Path(sys.executable).with_name("engine"))]
 PHASE = re.compile(r"^pagedkv\.startup: DEBUG: (?P<name>.+?)(?: (?P<took>[\d.]+) s)? \(at (?P<at>[\d.]+) s\)$")
 
 
@@ -41,14 +46,20 @@ def phases(stderr: str) -> list[tuple[str, float | None, float]]:
     return found
 
 
-def run_once(env: dict[str, str]) -> tuple[float, list]:
-    started = time.perf_counter()
-    proc = subprocess.run([ENGINE, "--log-level", "debug", "run", "--prompt", "hi", "--max-tokens", "1", "--json"],
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(engine: list[str], env: dict[str, str]) -> tuple[float, float, list]:
+    """(wall s, CPU s, phases) of one ``engine run --prompt hi --max-tokens 1``."""
+    cpu, started = _children_cpu(), time.perf_counter()
+    proc = subprocess.run([*engine, "--log-level", "debug", "run", "--prompt", "hi", "--max-tokens", "1", "--json"],
                           capture_output=True, text=True, env=env, timeout=600)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"engine run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return wall, phases(proc.stderr)
+    return wall, _children_cpu() - cpu, phases(proc.stderr)
 
 
 def _free_port() -> int:
@@ -57,11 +68,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_once(env: dict[str, str]) -> tuple[float, list]:
+def serve_once(engine: list[str], env: dict[str, str]) -> tuple[float, list]:
+    """(s from spawn until ``/health`` answers, phases) of one ``engine serve``, stopped with SIGINT after."""
     port = _free_port()
     log = tempfile.TemporaryFile(mode="w+")
     started = time.perf_counter()
-    proc = subprocess.Popen([ENGINE, "serve", "--log-level", "debug", "--port", str(port)],
+    proc = subprocess.Popen([*engine, "serve", "--log-level", "debug", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=log, env=env, text=True)
     ready = None
     try:
@@ -86,8 +98,8 @@ def serve_once(env: dict[str, str]) -> tuple[float, list]:
     return ready if ready is not None else float("nan"), phases(log.read())
 
 
-def show(kind: str, wall: float, found: list) -> None:
-    print(f"  {kind}: {wall:.2f} s", flush=True)
+def show(title: str, found: list) -> None:
+    print(f"  {title}", flush=True)
     for name, took, at in found:
         took_text = f"{took:6.2f} s" if took is not None else " " * 8
         print(f"    {took_text}  at {at:6.2f} s  {name}", flush=True)
@@ -97,10 +109,22 @@ def first_token_at(found: list) -> float | None:
     return next((at for name, _, at in found if name.startswith("first step")), None)
 
 
+def _variants(compare: str | None, env: dict[str, str]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(label, command, environment) of this tree and, with ``--compare``, of the other tree."""
+    variants = [("this tree", ENGINE, env)]
+    if compare:
+        root = tempfile.mkdtemp(prefix="pagedkv-compare-")
+        os.symlink(Path(compare).resolve(), Path(root) / "pagedkv")
+        other = {**env, "PYTHONPATH": root}
+        variants.append((compare, [sys.executable, "-m", "pagedkv.cli.main"], other))
+    return variants
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-serve", action="store_true", help="time `engine run` only")
+    parser.add_argument("--compare", default=None, metavar="DIR", help="another pagedkv source tree, alternated")
     parser.add_argument("--fresh-cache", action="store_true",
                         help="round 1 in an empty PAGEDKV_CACHE (one-time conversions included), later rounds reuse it")
     args = parser.parse_args()
@@ -108,31 +132,39 @@ def main() -> int:
     fresh = tempfile.mkdtemp(prefix="pagedkv-startup-cache-") if args.fresh_cache else None
     if fresh:
         env["PAGEDKV_CACHE"] = fresh
-    runs: list[float] = []
-    firsts: list[float] = []
-    serves: list[float] = []
+    variants = _variants(args.compare, env)
+    results: dict[str, dict[str, list[float]]] = {v[0]: {"first": [], "wall": [], "cpu": [], "serve": []}
+                                                   for v in variants}
     try:
         for i in range(args.rounds):
-            print(f"round {i + 1} (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})", flush=True)
-            wall, found = run_once(env)
-            show("engine run --prompt hi --max-tokens 1 --json, wall", wall, found)
-            runs.append(wall)
-            first = first_token_at(found)
-            if first is not None:
-                firsts.append(first)
-            if not args.no_serve:
-                ready, found = serve_once(env)
-                show("engine serve until /health answers", ready, found)
-                serves.append(ready)
+            for label, engine, venv in variants if i % 2 == 0 else variants[::-1]:
+                print(f"round {i + 1}, {label} (load average {_load()})", flush=True)
+                wall, cpu, found = run_once(engine, venv)
+                show(f"engine run --prompt hi --max-tokens 1 --json: wall {wall:.2f} s, CPU {cpu:.2f} s; phases",
+                     found)
+                got = results[label]
+                got["wall"].append(wall)
+                got["cpu"].append(cpu)
+                got["first"].append(first_token_at(found) or float("nan"))
+                if not args.no_serve:
+                    ready, found = serve_once(engine, venv)
+                    show(f"engine serve until /health answers: {ready:.2f} s; phases", found)
+                    got["serve"].append(ready)
     finally:
         if fresh:
             shutil.rmtree(fresh, ignore_errors=True)
     warm = slice(1, None) if args.rounds > 1 else slice(None)
-    print(f"warm medians (rounds 2..{args.rounds}): first token at {_median(firsts[warm])}, run wall "
-          f"{_median(runs[warm])}, serve ready {_median(serves[warm])}; round 1: first token at "
-          f"{_fmt(firsts[0] if firsts else None)}, run wall {_fmt(runs[0])}, serve ready "
-          f"{_fmt(serves[0] if serves else None)}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for label, got in results.items():
+        print(f"{label}: warm medians (rounds 2..{args.rounds}): first token at {_median(got['first'][warm])}, "
+              f"run wall {_median(got['wall'][warm])}, run CPU {_median(got['cpu'][warm])}, serve ready "
+              f"{_median(got['serve'][warm])}; round 1: first token at {_fmt(got['first'][0])}, run wall "
+              f"{_fmt(got['wall'][0])}, serve ready {_fmt(got['serve'][0] if got['serve'] else None)}")
+    print(f"load average at the end: {_load()}")
     return 0
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _median(values: list[float]) -> str:

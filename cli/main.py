@@ -107,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pagedkv.cli.demo import DEMO_PROMPTS
-    from pagedkv.cli.engine_args import engine_config
-    from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
-    from pagedkv.cli.run_checks import check_run_args
-    from pagedkv.core.engine import Engine
-    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.startup_phases import phase
+
+    with phase("torch and the engine imported"):
+        from pagedkv.cli.demo import DEMO_PROMPTS
+        from pagedkv.cli.engine_args import engine_config
+        from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
+        from pagedkv.cli.run_checks import check_run_args
+        from pagedkv.core.engine import Engine
+        from pagedkv.core.sample.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
         from pagedkv.monitor.main import run_with_monitor

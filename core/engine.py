@@ -90,9 +90,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.dtype == "auto":  # the checkpoint's (vLLM's default), before anything is sized or loaded
             config.dtype = _auto_dtype(config, model, runner)
-        self.pm = make_plugin_manager(plugins)
-        configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
-        backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
+        with phase("plugins loaded"):
+            self.pm = make_plugin_manager(plugins)
+            configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
+            backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
         self.backend = None
         from_config = model is None
         if runner is None:

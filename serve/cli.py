@@ -80,15 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until a signal; 0 on a clean shutdown."""
+    from pagedkv.core.startup_phases import phase
+
     try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
+        with phase("fastapi and uvicorn imported"):
+            import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"engine serve needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
     from pagedkv.cli.engine_args import engine_config, take_positional_model
-    from pagedkv.core.engine import Engine
+
+    with phase("torch and the engine imported"):
+        from pagedkv.core.engine import Engine
     from pagedkv.core.errors import ConfigError
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
     from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
