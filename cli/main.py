@@ -13,6 +13,7 @@ from typing import Any
 from pagedkv.cli.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
 from pagedkv.cli.run_display import drive
 from pagedkv.core.errors import PagedKVError
+from pagedkv.core.startup_phases import mark, since_start
 from pagedkv.core.stats import summarize
 
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    imported = since_start()  # the interpreter's start and `import pagedkv.cli.main`
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(levelname)s: %(message)s")
+    mark("python started, engine imported", imported)
+    mark("arguments parsed", since_start() - imported)
     raise_on_sigterm()
     try:
         if args.command == "run":
@@ -103,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pagedkv.cli.demo import DEMO_PROMPTS
-    from pagedkv.cli.engine_args import engine_config
-    from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
-    from pagedkv.cli.run_checks import check_run_args
-    from pagedkv.core.engine import Engine
-    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.startup_phases import phase
+
+    with phase("torch and the engine imported"):
+        from pagedkv.cli.demo import DEMO_PROMPTS
+        from pagedkv.cli.engine_args import engine_config
+        from pagedkv.cli.prompt_format import encode_run_prompt, use_chat
+        from pagedkv.cli.run_checks import check_run_args
+        from pagedkv.core.engine import Engine
+        from pagedkv.core.sample.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
         from pagedkv.monitor.main import run_with_monitor

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from pagedkv.core.startup_phases import mark
+
 
 def drive(
     engine: Any, request_ids: list[str], stream_to: TextIO | None, progress: bool,
@@ -20,9 +22,15 @@ def drive(
     results: dict[str, Any] = {}
     shown = ""
     bar = _ProgressBar(len(request_ids)) if progress else None
+    first_token = True
     try:
         while engine.has_unfinished() and not (stop is not None and stop()):
-            for out in engine.step(stream=stream_to is not None):
+            started = time.perf_counter()
+            outputs = engine.step(stream=stream_to is not None)
+            if first_token and engine.stats.generated_tokens:
+                mark("first step (first token)", time.perf_counter() - started)
+                first_token = False
+            for out in outputs:
                 if stream_to is not None:
                     shown = _write_new_text(stream_to, shown, out.text, out.finished)
                 if out.finished:

@@ -1,7 +1,8 @@
 """The engine and what it is made of, one room per concept.
 
 Rooms, lowest first; each imports only from the rooms before it and from the foundation
-modules here (``errors``, ``limits``, ``events``, ``stats``, ``config``, ``hookspecs``):
+modules here (``errors``, ``limits``, ``events``, ``stats``, ``config``, ``hookspecs``,
+``startup_phases``):
 
 - ``plugin/``: the pluggy manager and the fault guard around plugin calls.
 - ``kv/``: the paged KV memory: block pool (free pool, ref counts), block tables, allocators

@@ -52,6 +52,7 @@ from pagedkv.core.sched.request_groups import RequestGroups
 from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
 from pagedkv.core.sched.sequence import RequestOutput, Sequence
 from pagedkv.core.sched.stop_check import StopCheck, eos_token_ids_of
+from pagedkv.core.startup_phases import phase
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.step_sampling import StepSampling, sampling_rows
 
@@ -89,15 +90,17 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.dtype == "auto":  # the checkpoint's (vLLM's default), before anything is sized or loaded
             config.dtype = _auto_dtype(config, model, runner)
-        self.pm = make_plugin_manager(plugins)
-        configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
-        backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
+        with phase("plugins loaded"):
+            self.pm = make_plugin_manager(plugins)
+            configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
+            backend_entry, allocator_entry, scheduler_entry = chosen_components(self.pm, config, startup_fault)
         self.backend = None
         from_config = model is None
         if runner is None:
             from pagedkv.core.model.model_loader import prepare_model
 
-            self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
+            with phase(f"backend {config.backend!r} started"):
+                self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
             model, tokenizer = prepare_model(config, model, tokenizer)
         hf_config = runner.model_config if runner is not None else model.config
         self.model, self.tokenizer = model, tokenizer
@@ -122,7 +125,9 @@ class Engine:
         self.scheduler.on_step_peak = self._observe_peak
         self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
         if runner is None:
-            runner = make_runner(config, model, self.backend, self.spec, self.num_blocks, self.swap_space, from_config)
+            with phase("model runner built"):
+                runner = make_runner(config, model, self.backend, self.spec, self.num_blocks, self.swap_space,
+                                     from_config)
         self.runner = runner
         self.sampler = Sampler(config.seed)
         self.stats = RunStats()

@@ -80,15 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until a signal; 0 on a clean shutdown."""
+    from pagedkv.core.startup_phases import phase
+
     try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
+        with phase("fastapi and uvicorn imported"):
+            import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"engine serve needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
     from pagedkv.cli.engine_args import engine_config, take_positional_model
-    from pagedkv.core.engine import Engine
+
+    with phase("torch and the engine imported"):
+        from pagedkv.core.engine import Engine
     from pagedkv.core.errors import ConfigError
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
     from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
@@ -190,10 +195,12 @@ def _server_class() -> type:
             self._force: threading.Timer | None = None
 
         async def startup(self, sockets: Any = None) -> None:
+            from pagedkv.core.startup_phases import phase
             from pagedkv.serve.connection_guard import quiet_accept_errors
 
             quiet_accept_errors(asyncio.get_running_loop())
-            await super().startup(sockets=sockets)
+            with phase("server listening"):
+                await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises a captured signal after shutting down (a traceback for SIGINT,

@@ -85,6 +85,20 @@ def test_forward_hooks_and_parameters_survive_packing():
     assert pack_linears(layer) == 1  # again: nothing changes
 
 
+def test_weights_pack_at_their_first_packed_call_not_before():
+    """Start-up: ``pack_linears`` only upgrades the modules; each weight is packed when first used packed."""
+    model = _model()
+    assert pack_linears(model) == 2
+    assert model[0]._pack is None and model[2]._pack is None
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        model(x)  # outside packed_linears: plain arithmetic, nothing packed
+    assert model[0]._pack is None
+    with torch.inference_mode(), packed_linears():
+        model(x)
+    assert model[0]._pack is not None and model[2]._pack is not None
+
+
 def test_a_packed_model_can_be_copied_and_pickled():
     """The pack is a cache: deepcopy and pickle leave it out, and the copy packs its own on first use."""
     import copy

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins", "pagedkv.serve", "pagedkv.sim")
 # core's rooms, lowest first: each may import itself, the rooms before it and the foundation modules
 ROOMS = ("plugin", "kv", "sample", "sched", "model", "dist")
-FOUNDATION = {f"pagedkv.core.{m}" for m in ("errors", "limits", "events", "stats", "config", "hookspecs")}
+FOUNDATION = {f"pagedkv.core.{m}" for m in ("errors", "limits", "events", "stats", "config", "hookspecs",
+                                                   "startup_phases")}
 
 
 def package_modules(root: Path) -> dict[str, Path]:

@@ -114,3 +114,19 @@ def test_attention_sinks_are_refused():
     model = transformers.GptOssForCausalLM(config).eval()
     with pytest.raises(UnsupportedModelError, match="s_aux"):
         check_model_support(model)
+
+
+def test_the_probe_runs_on_one_thread_and_restores_the_count():
+    """Start-up: the probe's 2-token forward gains nothing from threads and, on a busy machine, loses seconds."""
+    from pagedkv.testing import tiny_llama
+
+    model = tiny_llama()
+    seen: list[int] = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_model_support(model)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -49,10 +49,16 @@ class KVCacheSpec:
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, row_width]`` (``head_dim``,
-    plus the scale of an 8-bit cache)."""
+    plus the scale of an 8-bit cache).
+
+    Not zeroed: nothing reads a slot before a step writes it (attention reads only each sequence's first
+    ``context_len`` slots, and the kernel tests poison every other slot with NaN; swaps and copy-on-write copy
+    whole blocks, garbage included, into slots that are again unread). Zeroing the default 1 GiB was a
+    start-up phase of its own (seconds on a busy machine); untouched pages also cost no memory until used.
+    ``tests/test_kv_garbage.py`` runs whole engines on a NaN-filled cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
 

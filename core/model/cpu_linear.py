@@ -79,9 +79,11 @@ class PackedLinear(torch.nn.Linear):
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Make every fp32 CPU ``nn.Linear`` of ``model`` a :class:`PackedLinear` and pack its weight now;
-    returns how many linears are packed (0 without oneDNN, or when the packed copies would not fit in the
-    memory available now: then one log line, and the model runs as it is). Idempotent."""
+    """Make every fp32 CPU ``nn.Linear`` of ``model`` a :class:`PackedLinear`, whose weight is packed at its
+    first multi-row call inside :func:`packed_linears` (not here: packing every weight at once was seconds of
+    engine start-up, and a server that never steps never needs it); returns how many linears will pack (0
+    without oneDNN, or when the packed copies would not fit in the memory available now: then one log line,
+    and the model runs as it is). Idempotent."""
     if not available():
         return 0
     todo = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
@@ -98,7 +100,7 @@ def pack_linears(model: torch.nn.Module) -> int:
             # its forward hooks (tensor parallel's all-reduce), parameters, tied weights, name. PackedLinear
             # adds no state but its pack (torch.nn.utils.parametrize upgrades modules the same way).
             module.__class__ = PackedLinear
-        if isinstance(module, PackedLinear) and module.packed_weight() is not None:
+        if isinstance(module, PackedLinear) and _packable(module.weight):
             count += 1
     return count
 

@@ -26,6 +26,7 @@ import torch
 
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.model.hub_cache import looks_like_hub_id, resolve_cached_model
+from pagedkv.core.startup_phases import phase
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -154,13 +155,16 @@ def load_model(
     model: str | None, dtype: torch.dtype, device: str, revision: str | None = None
 ) -> tuple[Any, Any, Path]:
     """Load (model, tokenizer, directory), in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_dir(model, revision)
+    with phase("transformers imported"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    with phase("model resolved"):
+        path = resolve_model_dir(model, revision)
     try:
         with _no_progress_bars():
-            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            with phase("weights loaded"):
+                hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            with phase("tokenizer loaded"):
+                tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
         raise ConfigError(f"cannot load a causal LM from {path}: {type(exc).__name__}: {exc}") from exc
     return hf_model, tokenizer, path

@@ -20,6 +20,7 @@ from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, registe
 from pagedkv.core.model.model_support import check_model_support
 from pagedkv.core.sample.logprobs import prompt_logprob_span
 from pagedkv.core.sched.scheduler import SchedulerOutput
+from pagedkv.core.startup_phases import phase
 
 
 @dataclass
@@ -44,17 +45,20 @@ class ModelRunner:
         check_support: bool = True,
     ) -> None:
         if check_support:  # refuse what the engine would run wrongly, before anything (a sharded model: checked whole)
-            check_model_support(model)
+            with phase("model support checked"):
+                check_model_support(model)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
         self.backend = backend
         self.spec = spec
         self.device = device
-        self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+        with phase(f"KV cache allocated ({num_blocks} blocks)"):
+            self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
         # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step
         # (pagedkv.core.model.cpu_linear); after the KV cache, which has the first claim on memory
-        self.packed_linears = device == "cpu" and pack_linears(model) > 0
+        with phase("linear layers set to pack at first use"):
+            self.packed_linears = device == "cpu" and pack_linears(model) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 

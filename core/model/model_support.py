@@ -21,6 +21,8 @@ logits inside the model's forward.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +146,19 @@ def _call_problems(config: Any, expected: tuple[LayerAttention, ...], calls: lis
     return problems[:4]
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads at 1 for the block. A 2-token forward reads each weight once, which one thread
+    does about as fast as several; on a busy machine several OpenMP threads wait on one another at every op
+    (measured: 0.55 s with 1 thread, 4.5-10 s with 2, for SmolLM2-135M on 2 shared cores at load 9)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _probe(model: Any) -> list[dict[str, Any]]:
     """Run a 2-token forward with a recording attention function; what each layer passed."""
     from transformers import AttentionInterface
@@ -166,7 +181,7 @@ def _probe(model: Any) -> list[dict[str, Any]]:
     device = next(model.parameters()).device
     try:
         model.set_attn_implementation(PROBE_NAME)
-        with torch.inference_mode():
+        with torch.inference_mode(), _one_thread():
             model(
                 input_ids=torch.zeros((1, 2), dtype=torch.long, device=device),
                 position_ids=torch.arange(2, device=device)[None],
