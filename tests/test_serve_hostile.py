@@ -8,6 +8,7 @@ step, coerced types, tracebacks for odd input, connections that never finish.
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import time
 from pathlib import Path
@@ -273,3 +274,40 @@ def test_the_cut_off_is_one_log_line_without_a_traceback(fresh):
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err, err[-3000:]
     assert err.count("accepted no response bytes") == 1, err[-3000:]
+
+
+# --- out of file descriptors (its own server, under a low ulimit -n) -------------------------------------------------
+
+
+def _few_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+
+def test_at_its_descriptor_limit_the_server_sheds_silent_connections_and_keeps_answering(model_dir):  # noqa: F811
+    proc, url = start(model_dir, "--header-timeout", "8", "--timeout-keep-alive", "8", preexec_fn=_few_descriptors)
+    host, port = url.removeprefix("http://").split(":")
+    silent = []
+    try:
+        with httpx.Client(base_url=url, timeout=5) as kept:
+            assert kept.get("/health").status_code == 200  # a connection opened before the flood
+            for _ in range(100):  # more than the server has descriptors for
+                silent.append(socket.create_connection((host, int(port))))
+            slowest = 0.0
+            for _ in range(10):
+                started = time.monotonic()
+                assert kept.get("/health").status_code == 200
+                slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.05)
+            assert slowest < 1.0, slowest
+        started = time.monotonic()  # a new client gets in well before the header deadline (8 s) frees anything
+        assert httpx.get(url + "/health", timeout=4).status_code == 200
+        assert time.monotonic() - started < 4
+        silent[0].settimeout(2)
+        assert silent[0].recv(1) == b""  # the oldest silent connection was closed to make room
+    finally:
+        for sock in silent:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count("out of file descriptors") == 1, err[-3000:]
