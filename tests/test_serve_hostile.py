@@ -310,4 +310,4 @@ def test_at_its_descriptor_limit_the_server_sheds_silent_connections_and_keeps_a
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err, err[-3000:]
-    assert err.count("out of file descriptors") == 1, err[-3000:]
+    assert "out of file descriptors" in err, err[-3000:]  # one warning line per 10 s
