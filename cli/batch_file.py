@@ -5,10 +5,12 @@ Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completion
 {"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
 crash loses nothing that had finished. A bad line (bad JSON, invalid UTF-8, a lone surrogate,
 a bad field) gets an error line of its own; the rest run. Every line is read and checked
-before the first request runs. Fields are read as ``engine serve`` reads them: strict types,
-``null`` = not set, unknown fields refused, the same roles, content parts and caps
-(``serve/request_rules.py``, ``serve/sampling_fields.py``), and logprobs come back in the
-same OpenAI shapes.
+before the first request runs. A body takes exactly the fields ``engine serve`` takes
+(``cli/batch_fields.py``), read as it reads them: strict types, ``null`` = not set, unknown
+fields refused, the same roles, content parts, caps and vLLM fields (``serve/request_rules.py``,
+``serve/sampling_fields.py``, ``serve/vllm_fields.py``, ``serve/chat_fields.py``); echo, token
+ids, forced tool calls and logprobs come back in the same OpenAI shapes. An unset
+``max_tokens`` is the run's ``--max-tokens``.
 """
 
 from __future__ import annotations
