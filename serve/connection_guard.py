@@ -16,7 +16,8 @@ sees a disconnect, the stream ends, and its requests are aborted (their blocks f
 
 When the process is out of file descriptors, asyncio logs "socket.accept() out of system
 resource" with a traceback on every retry; :func:`quiet_accept_errors` turns that into
-one warning line per ``interval`` seconds and leaves every other loop error to asyncio.
+one warning line per ``interval`` seconds and leaves every other loop error to asyncio
+(a fallback: ``accept_guard`` handles EMFILE itself on the loops it can wrap).
 """
 
 from __future__ import annotations
