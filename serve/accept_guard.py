@@ -6,11 +6,12 @@ scheduling one retry timer per failure. Every failed ``accept()`` releases the G
 to a busy engine thread each one waits for it again: 300 silent sockets under ``ulimit -n
 256`` held the loop for 1-2 s per retry, and ``/health`` on an open connection with it.
 
-:func:`guard_accept` wraps the loop's handler so that the first EMFILE ends the round. Then,
-as nginx reuses its idle connections when it runs out, the oldest connections that are only
-waiting for a request head (``shed``: the ones that never sent a request first, then idle
-keep-alive ones) are closed so that new clients get in; with none to close, accepting pauses
-for ``retry_delay`` seconds. One warning line per ``report_every`` seconds says so.
+:func:`guard_accept` wraps the loop's handler so that the first EMFILE ends the round. A moment later
+(once the connections that round accepted are set up), as nginx reuses its idle connections
+when it runs out, the oldest connections that are only waiting for a request head (``shed``:
+the ones that never sent a request first, then idle keep-alive ones) are closed so that new
+clients get in; with none to close, accepting pauses for ``retry_delay`` seconds. One warning
+line per ``report_every`` seconds says so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger("pagedkv.serve")
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 SHED_PER_ROUND = 16  # connections closed per EMFILE (nginx drains 32 at a time)
+_SETTLE_S = 0.02  # after an EMFILE, before choosing what to close: new connections register in connection_made
 
 
 class _OneRound:
@@ -63,18 +65,23 @@ def guard_accept(loop: asyncio.AbstractEventLoop, shed: Callable[[int], int], re
         original(protocol_factory, probe, *args, **kwargs)
         if probe.failure is None:
             return
+        loop._remove_reader(sock.fileno())
+        # decide a moment later: the connections accepted in this round are not set up (registered) yet
+        loop.call_later(_SETTLE_S, make_room, probe.failure, (sock, accept, protocol_factory, args, kwargs))
+
+    def make_room(failure: OSError, resume_args: tuple) -> None:
         closed = shed(SHED_PER_ROUND)
         if closed:
-            counts["shed"] += closed  # their descriptors close on the next iteration; the socket stays readable
+            counts["shed"] += closed  # their descriptors close on the next iteration, before the next accept()
+            _resume(*resume_args)
         else:
             counts["paused"] += 1
-            loop._remove_reader(sock.fileno())
-            loop.call_later(retry_delay, _resume, sock, accept, protocol_factory, args, kwargs)
+            loop.call_later(retry_delay, _resume, *resume_args)
         now = time.monotonic()
         if now - last_report[0] >= report_every:
             log.warning("out of file descriptors (%s): closed %d connections that were only waiting for a request, "
                         "paused accepting %d times (raise ulimit -n, or lower --limit-concurrency)",
-                        probe.failure.strerror, counts["shed"], counts["paused"])
+                        failure.strerror, counts["shed"], counts["paused"])
             last_report[0], counts["shed"], counts["paused"] = now, 0, 0
 
     def _resume(sock: Any, handler: Any, protocol_factory: Any, args: tuple, kwargs: dict) -> None:
