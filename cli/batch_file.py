@@ -5,10 +5,12 @@ Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completion
 {"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
 crash loses nothing that had finished. A bad line (bad JSON, invalid UTF-8, a lone surrogate,
 a bad field) gets an error line of its own; the rest run. Every line is read and checked
-before the first request runs. Fields are read as ``engine serve`` reads them: strict types,
-``null`` = not set, unknown fields refused, the same roles, content parts and caps
-(``serve/request_rules.py``, ``serve/sampling_fields.py``), and logprobs come back in the
-same OpenAI shapes.
+before the first request runs. A body takes exactly the fields ``engine serve`` takes
+(``cli/batch_fields.py``), read as it reads them: strict types, ``null`` = not set, unknown
+fields refused, the same roles, content parts, caps and vLLM fields (``serve/request_rules.py``,
+``serve/sampling_fields.py``, ``serve/vllm_fields.py``, ``serve/chat_fields.py``); echo, token
+ids, forced tool calls and logprobs come back in the same OpenAI shapes. An unset
+``max_tokens`` is the run's ``--max-tokens``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.cli.batch_fields import MESSAGE_FIELDS, check_body, check_types
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.serve import chat_fields, vllm_fields
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
-from pagedkv.serve.structured_fields import FIELDS as STRUCTURED_FIELDS
 from pagedkv.serve.structured_fields import structured_from_body
+from pagedkv.serve.structured_request import Parsers, combined_constraint
+from pagedkv.serve.tools import check_tools, tool_choice_of
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -34,16 +39,8 @@ COMPLETIONS_URL = "/v1/completions"
 _PARAM_FIELDS = {
     "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
     "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "top_k": "top_k", "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
 }
-# read by sampling_extras (shared with engine serve)
-_EXTRA_FIELDS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                 "top_logprobs", "prompt_logprobs"}
-_IGNORED_FIELDS = {"model", "user", "stream", "stream_options", "messages", "prompt"}
-# the types engine serve's request model gives these fields (strict: no "5", true or 5.0 for an integer)
-_INTEGER_FIELDS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens"}
-_NUMBER_FIELDS = {"temperature", "top_p"}
-_BOOLEAN_FIELDS = {"ignore_eos", "stream"}
 
 
 class BatchLineError(PagedKVError):
@@ -57,11 +54,15 @@ class BatchRequest:
     prompts: list[list[int]]  # token ids, one entry per prompt (a completion may carry several)
     params: SamplingParams
     engine_ids: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # add_request's cache_salt, priority
+    echo: list[str] | None = None  # per prompt: text that starts each of its choices (vLLM's echo)
+    return_token_ids: bool = False
+    shaper: Any = None  # ChatShaper: a forced tool choice's calls parsed out of the answer
 
 
 def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None
                ) -> BatchRequest:
-    """Check one input line and turn its body into token ids and sampling parameters."""
+    """Check one input line and turn its body into token ids and sampling parameters, as engine serve would."""
     try:
         item = rules.parse_json_object(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
     except FieldError as exc:
@@ -75,43 +76,40 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
         raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise BatchLineError(f"{custom_id}: 'body' must be an object")
-    unknown = sorted(set(body) - set(_PARAM_FIELDS) - _EXTRA_FIELDS - _IGNORED_FIELDS - set(STRUCTURED_FIELDS))
-    if unknown:
-        raise BatchLineError(f"{custom_id}: unsupported field(s) in body: {', '.join(unknown)}")
-    _check_types(custom_id, body)
-    kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
-    for key, name in _PARAM_FIELDS.items():
-        if body.get(key) is not None:
-            kwargs[name] = body[key]
+    chat = url == CHAT_URL
     try:
+        value = check_body(chat, body)
+        kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
+        for key, name in _PARAM_FIELDS.items():
+            if body.get(key) is not None:
+                kwargs[name] = body[key]
         kwargs["stop"] = rules.stop_strings(body.get("stop"))
         if body.get("logit_bias") is not None and isinstance(body["logit_bias"], dict):
             rules.count_cap("logit_bias", body["logit_bias"], rules.MAX_LOGIT_BIAS, "entries")
-        kwargs.update(sampling_extras(body, url == CHAT_URL, vocab_size))
-        kwargs["structured"] = structured_from_body(body)[0]
+        kwargs.update(sampling_extras(body, chat, vocab_size))
+        kwargs.update(vllm_fields.sampling_kwargs(value))
+        tools, choice = ([], None)
+        if chat:
+            tools = check_tools(body["tools"]) if body.get("tools") is not None else []
+            choice = tool_choice_of(body.get("tool_choice"), tools)
+            Parsers(None, None, False, None).check_choice(choice)  # no --tool-call-parser in a batch run
+        structured, source = structured_from_body(body)
+        kwargs["structured"] = combined_constraint(structured, source, choice, tools)[0]
         params = SamplingParams(**kwargs)
+        if chat:
+            prompts, echo = _chat_prompt(custom_id, body, value, tools, tokenizer)
+        else:
+            prompts, echo = _completion_prompts(custom_id, body, value("add_special_tokens"), tokenizer)
     except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
         raise BatchLineError(f"{custom_id}: {exc}") from None
-    prompts = _chat_prompt(custom_id, body, tokenizer) if url == CHAT_URL else _completion_prompts(custom_id, body,
-                                                                                                   tokenizer)
-    return BatchRequest(custom_id, url, prompts, params)
+    shaper = Parsers(None, None, False, None).shaper(choice) if chat else None
+    return BatchRequest(custom_id, url, prompts, params, options=vllm_fields.engine_options(value),
+                        echo=echo if value("echo") else None, return_token_ids=bool(value("return_token_ids")),
+                        shaper=shaper)
 
 
-def _check_types(custom_id: str, body: dict) -> None:
-    for key, value in body.items():
-        if value is None:
-            continue
-        if key in _INTEGER_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
-            raise BatchLineError(f"{custom_id}: {key} must be an integer, got {value!r}")
-        if key in _NUMBER_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise BatchLineError(f"{custom_id}: {key} must be a number, got {value!r}")
-        if key in _BOOLEAN_FIELDS and not isinstance(value, bool):
-            raise BatchLineError(f"{custom_id}: {key} must be true or false, got {value!r}")
-
-
-def _chat_prompt(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
-    from pagedkv.core.llm import apply_chat_template
-
+def _chat_prompt(custom_id: str, body: dict, value: Any, tools: list[dict[str, Any]], tokenizer: Any
+                 ) -> tuple[list[list[int]], list[str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise BatchLineError(f"{custom_id}: 'messages' must be a non-empty list of {{role, content}} objects")
@@ -119,25 +117,28 @@ def _chat_prompt(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
     try:
         rules.count_cap("messages", messages, rules.MAX_MESSAGES, "messages")
         for index, message in enumerate(messages):
-            unknown = sorted(set(message) - {"role", "content", "name"})
-            if unknown:
-                raise FieldError(f"messages.{index}", f"messages.{index}: unknown field(s) {', '.join(unknown)}")
+            check_types(MESSAGE_FIELDS, message, f"messages.{index}.")
             rules.check_role(message.get("role"))
-            if message.get("name") is not None and not isinstance(message["name"], str):
-                raise FieldError("name", "name must be a string")
-            conversation.append({"role": message["role"], "content": rules.content_text(message.get("content"))})
+            conversation.append(chat_fields.for_template(
+                message["role"], rules.content_text(message.get("content")), message.get("name"),
+                message.get("tool_call_id"), message.get("tool_calls")))
     except FieldError as exc:
         raise BatchLineError(f"{custom_id}: messages: {exc.message}") from None
-    if getattr(tokenizer, "chat_template", None) is None:
+    arguments = {**chat_fields.template_arguments(value), "tools": tools or None}
+    if getattr(tokenizer, "chat_template", None) is None and not arguments.get("chat_template"):
         raise BatchLineError(f"{custom_id}: this model has no chat template; use {COMPLETIONS_URL} with a prompt")
     try:
-        return [apply_chat_template(tokenizer, conversation)]
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **arguments)
     except Exception as exc:  # noqa: BLE001 - a template that raises on these messages: this line only
         raise BatchLineError(f"{custom_id}: the chat template refused these messages: {type(exc).__name__}: "
                              f"{str(exc)[:200]}") from None
+    last = conversation[-1]
+    echo = last["content"] if last["role"] == "assistant" else ""
+    return [list(tokenizer(text, add_special_tokens=value("add_special_tokens"))["input_ids"])], [echo]
 
 
-def _completion_prompts(custom_id: str, body: dict, tokenizer: Any) -> list[list[int]]:
+def _completion_prompts(custom_id: str, body: dict, add_special_tokens: bool, tokenizer: Any
+                        ) -> tuple[list[list[int]], list[str]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         prompt = [prompt]
@@ -145,15 +146,18 @@ def _completion_prompts(custom_id: str, body: dict, tokenizer: Any) -> list[list
         raise BatchLineError(f"{custom_id}: 'prompt' must be a string, a list of strings or a list of token ids")
     if len(prompt) > rules.MAX_PROMPTS:
         raise BatchLineError(f"{custom_id}: prompt has {len(prompt)} prompts; at most {rules.MAX_PROMPTS} are allowed")
-    prompts = []
+    prompts, texts = [], []
     for p in prompt:
-        if isinstance(p, str):
-            prompts.append(list(tokenizer(p)["input_ids"]))
+        if isinstance(p, str) and p:
+            prompts.append(list(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]))
+            texts.append(p)
         elif isinstance(p, list) and p and all(type(t) is int for t in p):
             prompts.append(p)
+            texts.append(tokenizer.decode(p) if body.get("echo") else "")
         else:
-            raise BatchLineError(f"{custom_id}: each prompt must be a string or a non-empty list of token ids")
-    return prompts
+            raise BatchLineError(f"{custom_id}: each prompt must be a non-empty string or a non-empty list of "
+                                 "token ids")
+    return prompts, texts
 
 
 def error_line(custom_id: str | None, message: str, status_code: int = 400) -> dict:
@@ -175,16 +179,25 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str, te
     chat = request.url == CHAT_URL
     texts = texts or TokenTexts(None)
     choices = []
-    for out in outputs:
+    for p, out in enumerate(outputs):
         for c in out.outputs:
             choice: dict[str, Any] = {"index": len(choices), "finish_reason": _finish_reason(c.finish_reason),
                                       "logprobs": _logprobs(request.params, c, chat, texts)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+            text = (request.echo[p] if request.echo else "") + c.text
+            if chat and request.shaper is not None:
+                choice["message"], calls = request.shaper.message(text)
+                if calls and c.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            elif chat:
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = c.text
+                choice["text"] = text
                 if out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, texts)
+            if request.return_token_ids:  # vLLM's return_token_ids, placed as engine serve places them
+                if not chat:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -197,6 +210,8 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str, te
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+    if chat and request.return_token_ids:
+        body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
     if chat and outputs[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, texts)
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
@@ -245,7 +260,7 @@ def run_batch(
             if request.params.structured is not None:  # compiled before any step runs: a bad schema is a 400 line
                 engine.check_structured(request.params.structured)
             for prompt in request.prompts:
-                request.engine_ids.append(engine.add_request(prompt, request.params))
+                request.engine_ids.append(engine.add_request(prompt, request.params, **request.options))
         except RequestRejected as exc:
             for rid in request.engine_ids:  # a request runs whole or not at all
                 engine.abort(rid)

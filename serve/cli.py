@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--body-timeout", type=float, default=30.0,
       help="seconds a request body may take to arrive (408 after) (default: %(default)s)")
+    a("--send-timeout", type=float, default=60.0,
+      help="seconds a client may accept no bytes of a response (it stopped reading) before the connection is "
+      "aborted and its requests end, freeing their KV blocks; nginx's send_timeout; 0 turns it off "
+      "(default: %(default)s)")
     a("--timeout-keep-alive", type=float, default=5.0,
       help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     a("--limit-concurrency", type=int, default=1024,
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level, api_key=api_key,
                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
                          max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
-                         body_timeout=args.body_timeout, timeout_keep_alive=args.timeout_keep_alive,
+                         send_timeout=args.send_timeout or None, body_timeout=args.body_timeout,
+                         timeout_keep_alive=args.timeout_keep_alive,
                          limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs,
                          served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
@@ -150,7 +155,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 log_level: str = "warning", api_key: str | None = None, max_waiting: int = 256,
                 shutdown_timeout: float = 10.0, tokenizer: Any = None,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, header_timeout: float = 5.0,
-                body_timeout: float = 30.0, timeout_keep_alive: float = 5.0, limit_concurrency: int | None = 1024,
+                send_timeout: float | None = 60.0, body_timeout: float = 30.0, timeout_keep_alive: float = 5.0,
+                limit_concurrency: int | None = 1024,
                 enable_docs: bool = False, served_model_names: list[str] | None = None,
                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
                 metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
@@ -174,7 +180,7 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                         enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
-                            access_log=log_level == "debug", http=guarded_protocol(header_timeout),
+                            access_log=log_level == "debug", http=guarded_protocol(header_timeout, send_timeout),
                             timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     return _GracefulServer(config, async_engine, shutdown_timeout)
 
@@ -196,9 +202,14 @@ def _server_class() -> type:
 
         async def startup(self, sockets: Any = None) -> None:
             from pagedkv.core.startup_phases import phase
+            from pagedkv.serve.accept_guard import guard_accept
             from pagedkv.serve.connection_guard import quiet_accept_errors
 
-            quiet_accept_errors(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            quiet_accept_errors(loop)  # for loops the guard cannot wrap
+            shed = getattr(self.config.http, "shed_waiting", None)
+            if shed is not None:
+                guard_accept(loop, shed)
             with phase("server listening"):
                 await super().startup(sockets=sockets)
 

@@ -5,19 +5,19 @@ queued. Types are strict (``"5"``, ``true`` and ``5.0`` are not the integer 5; a
 is a number), ``null`` means "not set", and an unknown field is refused by name: a
 misspelt ``max_token`` must not silently run with the default length. Every field of vLLM's
 own request models is declared here and either implemented with vLLM's meaning or refused by
-name (``_REFUSED``), never silently ignored (see docs/vllm_compat.md). The structured-output and
+name (``vllm_fields.REFUSED``), never silently ignored (see docs/vllm_compat.md). The structured-output and
 tool fields are declared in ``structured_protocol``. The penalty, bias and logprob fields go through
 ``sampling_fields`` (shared with batch files).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.serve import chat_fields, vllm_fields
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.sampling_fields import FieldError, sampling_extras
 from pagedkv.serve.strict_body import StrictBody
@@ -30,22 +30,6 @@ class StreamOptions(StrictBody):
 
 
 # --- vLLM's fields (issue 26): each implemented with vLLM's meaning, or refused by name -------------
-
-# Declared (so they are never silently dropped) but not implemented: a request that sets one answers
-# 400 naming it. Structured outputs (structured_outputs, guided_*) are in structured_protocol.
-_REFUSED = {
-    "structural_tag": "structural tags are not supported by pagedkv",
-    "logits_processors": "per-request logits processors are not supported by pagedkv (write a plugin)",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by pagedkv",
-    "kv_transfer_params": "KV transfer (disaggregated serving) is not supported by pagedkv",
-    "vllm_xargs": "vllm_xargs (custom extension parameters) is not supported by pagedkv",
-    "repetition_detection": "repetition_detection is not supported by pagedkv",
-    "mm_processor_kwargs": "pagedkv serves text-only models",
-    "media_io_kwargs": "pagedkv serves text-only models",
-    "prompt_embeds": "prompt embeddings are not supported by pagedkv; send text or token ids",
-    "reasoning_effort": "reasoning_effort is not supported by pagedkv",
-}
-
 
 class _VllmFields(StrictBody):
     """vLLM's sampling and extra parameters shared by both endpoints (``extra_body`` in the OpenAI SDK)."""
@@ -73,43 +57,22 @@ class _VllmFields(StrictBody):
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
 
+    def _vllm_value(self, name: str) -> Any:
+        return getattr(self, name, None)
+
     def refuse_vllm_unsupported(self) -> None:
-        for name, why in _REFUSED.items():
-            if getattr(self, name, None) not in (None, False):
-                raise InvalidField(name, why)
-        if self.use_beam_search:
-            raise InvalidField("use_beam_search", "beam search is not supported by pagedkv")
-        if self.best_of is not None and self.best_of != getattr(self, "n", 1):
-            raise InvalidField("best_of", "best_of is not supported by pagedkv (leave it unset or equal to n)")
-        if self.length_penalty != 1.0:
-            raise InvalidField("length_penalty", "length_penalty applies to beam search, which pagedkv does not do")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise InvalidField("cache_salt", "cache_salt must be a non-empty string")
-        if self.truncate_prompt_tokens == 0:
-            raise InvalidField("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1 (or -1)")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise InvalidField("allowed_token_ids", "allowed_token_ids must not be empty")
+        try:
+            vllm_fields.check(self._vllm_value, getattr(self, "n", 1))
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
 
     def vllm_sampling(self) -> dict[str, Any]:
         """The vLLM fields that are ``SamplingParams`` fields, as keyword arguments."""
-        return {
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
-            "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "bad_words": list(self.bad_words or []),
-            "allowed_token_ids": self.allowed_token_ids,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
-        }
+        return vllm_fields.sampling_kwargs(self._vllm_value)
 
     def engine_options(self) -> dict[str, Any]:
         """What ``Engine.add_request`` takes besides the prompt and sampling parameters."""
-        options: dict[str, Any] = {}
-        if self.cache_salt is not None:
-            options["cache_salt"] = self.cache_salt
-        if self.priority:
-            options["priority"] = self.priority
-        return options
+        return vllm_fields.engine_options(self._vllm_value)
 
 
 # Sampling defaults when a request leaves a field unset and the model's generation config
@@ -241,14 +204,10 @@ class ChatMessage(ToolMessageFields):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (vLLM's shape: tool-call arguments parsed from JSON)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            message["tool_calls"] = [_parsed_call(call) for call in self.tool_calls]
-        return message
+        try:
+            return chat_fields.for_template(self.role, self.text(), self.name, self.tool_call_id, self.tool_calls)
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
 
     @field_validator("content")
     @classmethod
@@ -281,25 +240,14 @@ class ChatCompletionRequest(_Common, ToolFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
-                self.model_fields_set:
-            raise InvalidField("continue_final_message", "continue_final_message and add_generation_prompt "
-                               "cannot both be true")
-        reserved = set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS
-        if reserved:
-            raise InvalidField("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}; "
-                               "use the request fields of those names")
+        try:
+            chat_fields.check(self._vllm_value, "add_generation_prompt" in self.model_fields_set)
+        except FieldError as exc:
+            raise InvalidField(exc.param, exc.message) from None
 
     def template_arguments(self) -> dict[str, Any]:
         """Keyword arguments for ``tokenizer.apply_chat_template`` (besides the conversation)."""
-        kwargs: dict[str, Any] = dict(self.chat_template_kwargs or {})
-        kwargs["add_generation_prompt"] = self.add_generation_prompt and not self.continue_final_message
-        kwargs["continue_final_message"] = self.continue_final_message
-        if self.documents is not None:
-            kwargs["documents"] = self.documents
-        if self.chat_template is not None:
-            kwargs["chat_template"] = self.chat_template
-        return kwargs
+        return chat_fields.template_arguments(self._vllm_value)
 
     def echo_text(self) -> str:
         """vLLM's chat ``echo``: the last message's text, when it is the assistant's (the answer's role)."""
@@ -311,22 +259,6 @@ class ChatCompletionRequest(_Common, ToolFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
-
-
-_TEMPLATE_ARGUMENTS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
-                       "documents", "chat_template", "return_dict", "return_tensors", "padding", "truncation"}
-
-
-def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A tool call with its ``function.arguments`` JSON string parsed (templates index into it)."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        raise InvalidField("messages", "a tool call's function.arguments must be a JSON string") from None
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class InvalidField(Exception):

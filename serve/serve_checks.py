@@ -50,7 +50,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     for flag, value, zero_ok in (("--shutdown-timeout", args.shutdown_timeout, True),
                                  ("--header-timeout", args.header_timeout, False),
                                  ("--body-timeout", args.body_timeout, False),
-                                 ("--timeout-keep-alive", args.timeout_keep_alive, False)):
+                                 ("--timeout-keep-alive", args.timeout_keep_alive, False),
+                                 ("--send-timeout", args.send_timeout, True)):
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise ConfigError(f"{flag} {value} must be a finite number of seconds{'' if zero_ok else ' above 0'}")
     key = api_key_of(args)

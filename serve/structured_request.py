@@ -58,6 +58,12 @@ def request_constraint(body: Any, choice: ToolChoice | None, tools: list[dict[st
                        ) -> tuple[StructuredOutputs | None, str | None]:
     """(the constraint, the field it came from); raises ``FieldError``."""
     structured, field = body.structured()
+    return combined_constraint(structured, field, choice, tools)
+
+
+def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,
+                        tools: list[dict[str, Any]]) -> tuple[StructuredOutputs | None, str | None]:
+    """A body's own constraint, or a forced tool choice's (not both); batch files call this directly."""
     forced = forced_constraint(choice, tools) if choice is not None else None
     if forced is not None:
         if structured is not None:

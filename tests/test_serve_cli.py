@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,13 +33,13 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def start(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start(model_dir: Path, *extra: str, preexec_fn: Any = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     engine = Path(sys.executable).with_name("engine")
     proc = subprocess.Popen(
         [str(engine), "serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu", "--num-blocks",
          "256", "--block-size", "8", "--log-level", "warning", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

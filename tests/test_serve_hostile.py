@@ -7,6 +7,8 @@ step, coerced types, tracebacks for odd input, connections that never finish.
 
 from __future__ import annotations
 
+import json
+import resource
 import socket
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from test_serve_cli import model_dir, start  # noqa: F401 - the fixture and the 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = ("--api-key", KEY, "--max-request-bytes", "64KiB", "--header-timeout", "1", "--body-timeout", "2",
-          "--timeout-keep-alive", "1", "--max-waiting", "8", "--max-num-seqs", "4")
+          "--timeout-keep-alive", "1", "--max-waiting", "8", "--max-num-seqs", "4", "--send-timeout", "2")
 
 
 def _serving(path: Path):
@@ -222,3 +224,90 @@ def test_a_body_that_never_finishes_is_408(fresh):
                              b"Content-Length: 100\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"pro",
                         timeout=10)
     assert head.startswith(b"HTTP/1.1 408"), head
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("pagedkv:num_requests_running", "pagedkv:kv_cache_usage_perc"))}
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_blocks_freed(fresh):
+    url, _ = fresh
+    host, port = url.removeprefix("http://").split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # a full receive window within a few chunks
+    reader.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # keeps the server's kernel send buffer small
+    reader.connect((host, int(port)))
+    body = json.dumps({"prompt": "a", "max_tokens": 500, "n": 2, "logprobs": 5, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 30
+    while _gauges(url)["pagedkv:num_requests_running"] == 0:  # the stream has started
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    other = post(url, "/v1/completions", {"prompt": "b", "max_tokens": 4})  # meanwhile, others are served
+    assert other.status_code == 200, other.text
+    deadline = time.monotonic() + 120
+    while (gauges := _gauges(url))["pagedkv:num_requests_running"] > 0:
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.2)
+    time.sleep(3)  # past --send-timeout 2 even if the sequences had finished before the send stalled
+    assert _gauges(url)["pagedkv:kv_cache_usage_perc"] == 0.0
+    reader.settimeout(10)
+    received = b""
+    try:
+        while chunk := reader.recv(65536):
+            received += chunk
+    except OSError:
+        pass
+    reader.close()
+    assert received.startswith(b"HTTP/1.1 200")
+    assert b"data: [DONE]" not in received  # cut off, not finished late once the client read again
+    assert post(url, "/v1/completions", {"prompt": "c", "max_tokens": 4}).status_code == 200
+
+
+def test_the_cut_off_is_one_log_line_without_a_traceback(fresh):
+    url, proc = fresh
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count("accepted no response bytes") == 1, err[-3000:]
+
+
+# --- out of file descriptors (its own server, under a low ulimit -n) -------------------------------------------------
+
+
+def _few_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+
+def test_at_its_descriptor_limit_the_server_sheds_silent_connections_and_keeps_answering(model_dir):  # noqa: F811
+    proc, url = start(model_dir, "--header-timeout", "8", "--timeout-keep-alive", "8", preexec_fn=_few_descriptors)
+    host, port = url.removeprefix("http://").split(":")
+    silent = []
+    try:
+        with httpx.Client(base_url=url, timeout=5) as kept:
+            assert kept.get("/health").status_code == 200  # a connection opened before the flood
+            for _ in range(100):  # more than the server has descriptors for
+                silent.append(socket.create_connection((host, int(port))))
+            slowest = 0.0
+            for _ in range(10):
+                started = time.monotonic()
+                assert kept.get("/health").status_code == 200
+                slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.05)
+            assert slowest < 1.0, slowest
+        started = time.monotonic()  # a new client gets in well before the header deadline (8 s) frees anything
+        assert httpx.get(url + "/health", timeout=4).status_code == 200
+        assert time.monotonic() - started < 4
+        silent[0].settimeout(2)
+        assert silent[0].recv(1) == b""  # the oldest silent connection was closed to make room
+    finally:
+        for sock in silent:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err[-3000:]
+    assert "out of file descriptors" in err, err[-3000:]  # one warning line per 10 s
