@@ -13,6 +13,9 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the int8 row widening in simd.h
+#endif
 
 namespace {
 
