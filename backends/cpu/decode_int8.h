@@ -104,15 +104,20 @@ inline void step(const float* q, const int8_t* const* kr, const int8_t* const* v
     for (int j = 0; j < kDecodeKeys; ++j) weight[g][j] = splat(wg[j]);
   }
 
-  for (int i = 0; i < NV; ++i) {
+  constexpr int SL = NV % 2 == 0 ? 2 : 1;  // vectors a slice
+  for (int i = 0; i < NV; i += SL) {
     if (pf != nullptr) pf->issue();
-    vfloat a[GB];
-    for (int g = 0; g < GB; ++g) a[g] = load(acc + g * DT + i * kLanes) * alpha[g];
+    vfloat a[GB][SL];
+    for (int g = 0; g < GB; ++g)
+      for (int x = 0; x < SL; ++x) a[g][x] = load(acc + g * DT + (i + x) * kLanes) * alpha[g];
     for (int j = 0; j < kDecodeKeys; ++j) {
-      const vfloat vv = load_row<int8_t>(vr[j] + i * kLanes);
-      for (int g = 0; g < GB; ++g) a[g] += weight[g][j] * vv;
+      for (int x = 0; x < SL; ++x) {
+        const vfloat vv = load_row<int8_t>(vr[j] + (i + x) * kLanes);
+        for (int g = 0; g < GB; ++g) a[g][x] += weight[g][j] * vv;
+      }
     }
-    for (int g = 0; g < GB; ++g) store(acc + g * DT + i * kLanes, a[g]);
+    for (int g = 0; g < GB; ++g)
+      for (int x = 0; x < SL; ++x) store(acc + g * DT + (i + x) * kLanes, a[g][x]);
   }
 }
 
@@ -161,7 +166,7 @@ void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
     row_offsets(table, c0, std::min(kDecodeKeys, len - c0), a.block_size, block_stride, token_stride, offsets(c0));
 
   const int passes = (G + kInt8MaxPass - 1) / kInt8MaxPass;  // as even as possible (G = 8: 4 + 4)
-  const int calls = nh * (kDecodeKeys + DT / kLanes);        // PrefetchCursor::issue calls a step
+  const int calls = nh * (kDecodeKeys + (DT / kLanes + 1) / 2);        // PrefetchCursor::issue calls a step
   const int span = static_cast<int>(nh * row);                // the unit's bytes of one token, unaligned
   const int lines_per_row = (span + 62) / 64 + 1;
   const int8_t* zero = reinterpret_cast<const int8_t*>(kZeroRow);
