@@ -29,6 +29,7 @@ inline float row_scale(const int8_t* row, int head_dim) {
 // Bytes from one cache row (one token, one KV head) to the next: the values and the scale.
 inline int64_t row_bytes(int head_dim) { return head_dim + 2; }
 
+constexpr int kKeys = 2 * kLanes;  // keys a step: two shuffle trees, one softmax update and rescale
 constexpr int kInt8MaxPass = 4;  // query heads per pass: GB scores x log2(kLanes) tree levels stay in registers
 
 struct Args {
@@ -56,61 +57,76 @@ struct Scratch8 {
   std::vector<int64_t> off;  // byte offsets of the token rows of the steps in flight (ring)
 };
 
-// One step of up to kDecodeKeys keys (n valid; rows past n point at kZeroRow, scale 0) for GB query heads of
-// one KV head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf advanced once per key and once per slice.
+// One step of up to kKeys keys (n valid; rows past n point at kZeroRow, scale 0) for GB query heads of one KV
+// head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf advanced once per key and once per P.V slice.
 template <int DT, int GB>
 inline void step(const float* q, const int8_t* const* kr, const int8_t* const* vr, int n, PrefetchCursor* pf,
                  float softcap, float* acc, DecodeHead* hs) {
   constexpr int NV = DT / kLanes;
-  auto leaf = [&](int input, vfloat* out) {
-    const int8_t* k = kr[tree_lane(input)];
-    if (pf != nullptr) pf->issue();
-    const vfloat k0 = load_row<int8_t>(k);
-    for (int g = 0; g < GB; ++g) out[g] = load(q + g * DT) * k0;
-    for (int i = 1; i < NV; ++i) {
-      const vfloat kv = load_row<int8_t>(k + i * kLanes);
-      for (int g = 0; g < GB; ++g) out[g] += load(q + g * DT + i * kLanes) * kv;
-    }
-  };
-  vfloat s[GB];
-  tree_of_leaves<GB>(leaf, 0, s);  // lane j: key j's q . k_int8
-
-  vfloat ks, vs;
-  for (int j = 0; j < kDecodeKeys; ++j) {
-    ks[j] = row_scale(kr[j], DT);
-    vs[j] = row_scale(vr[j], DT);
+  constexpr int SV = kKeys / kLanes;  // score vectors a head
+  vfloat s[SV][GB];                   // lane j of s[c]: key c * kLanes + j's q . k_int8
+  for (int c = 0; c < SV; ++c) {
+    auto leaf = [&](int input, vfloat* out) {
+      const int8_t* k = kr[c * kLanes + tree_lane(input)];
+      if (pf != nullptr) pf->issue();
+      const vfloat k0 = load_row<int8_t>(k);
+      for (int g = 0; g < GB; ++g) out[g] = load(q + g * DT) * k0;
+      for (int i = 1; i < NV; ++i) {
+        const vfloat kv = load_row<int8_t>(k + i * kLanes);
+        for (int g = 0; g < GB; ++g) out[g] += load(q + g * DT + i * kLanes) * kv;
+      }
+    };
+    tree_of_leaves<GB>(leaf, 0, s[c]);
   }
-  const vint valid = lane_index() < n;
+
+  vfloat ks[SV], vs[SV];
+  vint valid[SV];
+  for (int c = 0; c < SV; ++c) {
+    for (int j = 0; j < kLanes; ++j) {
+      ks[c][j] = row_scale(kr[c * kLanes + j], DT);
+      vs[c][j] = row_scale(vr[c * kLanes + j], DT);
+    }
+    valid[c] = lane_index() < n - c * kLanes;
+  }
   const vfloat ninf = vfloat{} - INFINITY;
-  alignas(64) vfloat weight[GB][kDecodeKeys];  // softmax weight x V scale of key j, broadcast
+  alignas(64) vfloat weight[GB][kKeys];  // softmax weight x V scale of key j, broadcast
   float alpha[GB];
   for (int g = 0; g < GB; ++g) {
-    vfloat sg = s[g] * ks;
-    if (softcap > 0.0f) {
-      alignas(64) float t[kDecodeKeys];
-      store(t, sg);
-      for (int j = 0; j < kDecodeKeys; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
-      sg = load(t);
+    vfloat sg[SV];
+    vfloat top = ninf;
+    for (int c = 0; c < SV; ++c) {
+      sg[c] = s[c][g] * ks[c];
+      if (softcap > 0.0f) {
+        alignas(64) float t[kLanes];
+        store(t, sg[c]);
+        for (int j = 0; j < kLanes; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
+        sg[c] = load(t);
+      }
+      sg[c] = valid[c] ? sg[c] : ninf;
+      top = vmax(top, sg[c]);
     }
-    sg = valid ? sg : ninf;
     const float old_max = hs[g].max;
-    const float new_max = std::max(old_max, max_lanes(sg));
+    const float new_max = std::max(old_max, max_lanes(top));
     alpha[g] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
-    vfloat pg = exp2_neg_vec(sg - new_max);
-    pg = valid ? pg : vfloat{};
+    vfloat sum = hs[g].sum * alpha[g];
+    for (int c = 0; c < SV; ++c) {
+      vfloat pg = exp2_neg_vec(sg[c] - new_max);
+      pg = valid[c] ? pg : vfloat{};
+      sum += pg;
+      const vfloat wg = pg * vs[c];
+      for (int j = 0; j < kLanes; ++j) weight[g][c * kLanes + j] = splat(wg[j]);
+    }
     hs[g].max = new_max;
-    hs[g].sum = hs[g].sum * alpha[g] + pg;
-    const vfloat wg = pg * vs;
-    for (int j = 0; j < kDecodeKeys; ++j) weight[g][j] = splat(wg[j]);
+    hs[g].sum = sum;
   }
 
-  constexpr int SL = NV % 2 == 0 ? 2 : 1;  // vectors a slice
+  constexpr int SL = NV % 2 == 0 ? 2 : 1;  // vectors a P.V slice
   for (int i = 0; i < NV; i += SL) {
     if (pf != nullptr) pf->issue();
     vfloat a[GB][SL];
     for (int g = 0; g < GB; ++g)
       for (int x = 0; x < SL; ++x) a[g][x] = load(acc + g * DT + (i + x) * kLanes) * alpha[g];
-    for (int j = 0; j < kDecodeKeys; ++j) {
+    for (int j = 0; j < kKeys; ++j) {
       for (int x = 0; x < SL; ++x) {
         const vfloat vv = load_row<int8_t>(vr[j] + (i + x) * kLanes);
         for (int g = 0; g < GB; ++g) a[g][x] += weight[g][j] * vv;
@@ -134,7 +150,7 @@ inline void pass(int gb, const float* q, const int8_t* const* kr, const int8_t* 
 }
 
 // The query token of sequence u.seq (position seq_len - 1) against its visible keys, KV heads [h0, h1):
-// kDecodeKeys keys a step, the rows kDecodeAhead keys on prefetched into L2 meanwhile (decode.h).
+// kKeys keys a step, the rows kDecodeAhead keys on prefetched into L2 meanwhile (decode.h).
 template <int DT>
 void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "int8 decode: head dims that are whole vectors");
@@ -159,29 +175,29 @@ void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
   w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
   w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
 
-  constexpr int kRing = kDecodeAhead / kDecodeKeys + 1;
-  w.off.resize(static_cast<size_t>(kRing) * kDecodeKeys);
-  auto offsets = [&](int c0) -> int64_t* { return w.off.data() + ((c0 - lo) / kDecodeKeys % kRing) * kDecodeKeys; };
-  for (int c0 = lo; c0 < std::min(len, lo + kDecodeAhead); c0 += kDecodeKeys)
-    row_offsets(table, c0, std::min(kDecodeKeys, len - c0), a.block_size, block_stride, token_stride, offsets(c0));
+  constexpr int kRing = kDecodeAhead / kKeys + 1;
+  w.off.resize(static_cast<size_t>(kRing) * kKeys);
+  auto offsets = [&](int c0) -> int64_t* { return w.off.data() + ((c0 - lo) / kKeys % kRing) * kKeys; };
+  for (int c0 = lo; c0 < std::min(len, lo + kDecodeAhead); c0 += kKeys)
+    row_offsets(table, c0, std::min(kKeys, len - c0), a.block_size, block_stride, token_stride, offsets(c0));
 
   const int passes = (G + kInt8MaxPass - 1) / kInt8MaxPass;  // as even as possible (G = 8: 4 + 4)
-  const int calls = nh * (kDecodeKeys + (DT / kLanes + 1) / 2);        // PrefetchCursor::issue calls a step
+  const int calls = nh * (kKeys + (DT / kLanes + 1) / 2);  // PrefetchCursor::issue calls a step
   const int span = static_cast<int>(nh * row);                // the unit's bytes of one token, unaligned
   const int lines_per_row = (span + 62) / 64 + 1;
   const int8_t* zero = reinterpret_cast<const int8_t*>(kZeroRow);
-  const int8_t* kr[kDecodeKeys];
-  const int8_t* vr[kDecodeKeys];
-  for (int c0 = lo; c0 < len; c0 += kDecodeKeys) {
-    const int n = std::min(kDecodeKeys, len - c0);
+  const int8_t* kr[kKeys];
+  const int8_t* vr[kKeys];
+  for (int c0 = lo; c0 < len; c0 += kKeys) {
+    const int n = std::min(kKeys, len - c0);
     const int64_t* off = offsets(c0);
     const int a0 = c0 + kDecodeAhead;
-    const int n_ahead = a0 < len ? std::min(kDecodeKeys, len - a0) : 0;
+    const int n_ahead = a0 < len ? std::min(kKeys, len - a0) : 0;
     if (n_ahead > 0) row_offsets(table, a0, n_ahead, a.block_size, block_stride, token_stride, offsets(a0));
     PrefetchCursor pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), offsets(a0), 1,
                       n_ahead, lines_per_row, (n_ahead * lines_per_row + calls - 1) / calls};
     for (int hh = 0; hh < nh; ++hh) {
-      for (int j = 0; j < kDecodeKeys; ++j) {
+      for (int j = 0; j < kKeys; ++j) {
         kr[j] = j < n ? kc + off[j] + hh * row : zero;
         vr[j] = j < n ? vc + off[j] + hh * row : zero;
       }
