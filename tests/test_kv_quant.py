@@ -9,6 +9,7 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
+from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.backend import CpuBackend
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import copy_blocks, swap_blocks, write_kv
@@ -79,16 +80,40 @@ def test_attention_reads_the_dequantized_cache(backend, kv_dtype, block_size):
     _check(backend, [33, 16], [1, 16], block_size, kv_dtype, heads=6, kv_heads=3, dim=64)
 
 
+@pytest.fixture(scope="module", params=build.variants())
+def int8_kernel(request):
+    """The cpu backend on each build of the kernel this CPU executes (avx512 / avx2 / generic: each has its
+    own int8 row widening in simd.h)."""
+    if not build.runnable(request.param):
+        pytest.skip(f"this CPU cannot execute the {request.param} build")
+    return CpuBackend(build.load(request.param))
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dim", [64, 128, 40])
-def test_cpu_int8_decode_kernel_reads_the_dequantized_cache(block_size, dim):
-    # decode-only steps take the compiled int8 kernel (specialised head dims 64/128, generic 40), GQA 3:1
-    _check(CpuBackend(), [1, 17, 300, 16, 33], [1] * 5, block_size, torch.int8, heads=6, kv_heads=2, dim=dim)
+def test_cpu_int8_decode_kernel_reads_the_dequantized_cache(int8_kernel, block_size, dim):
+    # decode-only steps take the compiled int8 kernel (vector head dims 64/128, scalar 40), GQA 3:1
+    _check(int8_kernel, [1, 17, 300, 16, 33], [1] * 5, block_size, torch.int8, heads=6, kv_heads=2, dim=dim)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(7, None), (None, 5.0), (40, 2.0)])
-def test_cpu_int8_decode_kernel_window_and_softcap(window, softcap):
-    _check(CpuBackend(), [5, 50, 129], [1, 1, 1], 16, torch.int8, window=window, softcap=softcap, dim=64)
+def test_cpu_int8_decode_kernel_window_and_softcap(int8_kernel, window, softcap):
+    _check(int8_kernel, [5, 50, 129], [1, 1, 1], 16, torch.int8, window=window, softcap=softcap, dim=64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 3), (9, 3), (16, 2)])  # groups 1, 3 and 8 (two passes of 4)
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_cpu_int8_decode_kernel_groups_and_ragged_lengths(int8_kernel, threads, heads, kv_heads, dim):
+    # lengths off the block (16), the step (4/8/16 keys) and the prefetch distance (32); one sequence
+    # (its KV heads split into units) and nine (a unit a sequence)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ([131], [1, 5, 8, 9, 23, 33, 47, 70, 100]):
+            _check(int8_kernel, lens, [1] * len(lens), 16, torch.int8, heads=heads, kv_heads=kv_heads, dim=dim)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_cpu_int8_decode_kernel_is_really_used(monkeypatch):

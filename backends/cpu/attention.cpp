@@ -13,6 +13,9 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the int8 row widening in simd.h
+#endif
 
 namespace {
 
@@ -37,7 +40,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
 // 2^x for x <= 0, written with arithmetic and bit operations only so that loops
 // over it vectorize: x = n + f with |f| <= 0.5, 2^f by its Taylor series in
 // f*ln2 to degree 6 (relative error ~1e-7), 2^n through the exponent bits.
-inline float exp2_neg(float x) {
+__attribute__((always_inline)) inline float exp2_neg(float x) {
   x = std::max(x, -126.0f);
   const float n = std::nearbyint(x);
   const float r = (x - n) * kLn2;

@@ -59,7 +59,7 @@ struct PrefetchCursor {
   int elem, rows, lines_per_row, per_call;
   int row = 0, line = 0;
 
-  inline void issue() {
+  __attribute__((always_inline)) inline void issue() {
     for (int c = 0; c < per_call && row < rows; ++c) {
       const int64_t at = off[row] * elem + static_cast<int64_t>(line) * 64;
       __builtin_prefetch(k + at, 0, kPrefetchLocality);

@@ -1,13 +1,20 @@
-// Decode attention over an int8 KV cache (--kv-cache-dtype int8), included by attention.cpp.
+// Decode attention over an int8 KV cache (--kv-cache-dtype int8), included by attention.cpp after the
+// float kernels, whose decode machinery (decode.h: prefetch cursor, shuffle-tree scores, online softmax
+// state) and vector layer (simd.h: load_row<int8_t> widens kLanes int8 values in registers) it uses.
 //
-// Kept apart from the float kernels on purpose: it shares nothing with them but the C interface style.
-// A cache row is head_dim int8 values followed by that row's bfloat16 scale (core/kv/kv_dtype.py), rows
-// of head_dim + 2 bytes. Decode at long context is memory-bound, so the point is to read 1 byte per value
-// instead of 4: the values are widened to float in registers, and each row's scale is applied once per
-// row, not per value: score = (q . k_int8) * k_scale, and the softmax weight is multiplied by v_scale
-// before it scales the int8 V row. One work item is a (sequence, KV head): its G query heads share every
-// K/V row it reads. Queries are float32, pre-scaled by `scale`; the output is float32.
+// Why it looks the way it does: decode at long context is memory-bound, so the point is to read 1 byte
+// per value instead of 4, and then not to lose that to arithmetic. A row is head_dim int8 values and the
+// row's scale (row_scale, row_bytes; core/kv/kv_dtype.py). Each row is widened vector by vector in
+// registers and used at once by all G query heads of its group (one pass of up to kInt8MaxPass heads):
+// the queries are read from L1 as memory operands instead of being held in registers (3 x 64 floats are
+// 24 AVX2 registers of 16), so a K or V vector is loaded and converted once, never copied to a buffer.
+// The scale is applied per row, not per value: a step's kLanes scores are multiplied by the vector of
+// their K scales, and the softmax weights by their V scales before they weigh the V rows (the running
+// sum takes the unscaled weights). P.V goes one vector slice of the rows at a time, so the G heads'
+// accumulators for that slice are the only ones live and the broadcast weights come from L1.
+// Head dims that are not whole vectors (or not 32/64/128/256) take run_general: scalar, per key.
 
+namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
 namespace pagedkv_int8 {
 
 inline float row_scale(const int8_t* row, int head_dim) {
@@ -19,30 +26,11 @@ inline float row_scale(const int8_t* row, int head_dim) {
   return f;
 }
 
-// A row's D int8 values widened to float once (D known at compile time for the common head dims, else
-// `dim`), then used by all G query heads of the group.
-template <int D>
-inline void widen(float* out, const int8_t* row, int dim) {
-  const int n = D > 0 ? D : dim;
-#pragma omp simd
-  for (int d = 0; d < n; ++d) out[d] = static_cast<float>(row[d]);
-}
+// Bytes from one cache row (one token, one KV head) to the next: the values and the scale.
+inline int64_t row_bytes(int head_dim) { return head_dim + 2; }
 
-template <int D>
-inline float dot(const float* q, const float* k, int dim) {
-  const int n = D > 0 ? D : dim;
-  float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-  for (int d = 0; d < n; ++d) a += q[d] * k[d];
-  return a;
-}
-
-template <int D>
-inline void axpy(float* acc, float w, const float* v, int dim) {
-  const int n = D > 0 ? D : dim;
-#pragma omp simd
-  for (int d = 0; d < n; ++d) acc[d] += w * v[d];
-}
+constexpr int kKeys = 2 * kLanes;  // keys a step: two shuffle trees, one softmax update and rescale
+constexpr int kInt8MaxPass = 4;  // query heads per pass: GB scores x log2(kLanes) tree levels stay in registers
 
 struct Args {
   const float* q;
@@ -59,11 +47,201 @@ struct Args {
   float softcap;
 };
 
-template <int D>
+struct Unit8 {
+  int seq, h0, h1;  // one sequence's query token, KV heads [h0, h1)
+};
+
+struct Scratch8 {
+  std::vector<float> q, acc;
+  std::vector<DecodeHead> head;
+  std::vector<int64_t> off;  // byte offsets of the token rows of the steps in flight (ring)
+};
+
+// One step of up to kKeys keys (n valid; rows past n point at kZeroRow, scale 0) for GB query heads of one KV
+// head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf advanced once per key and once per P.V slice.
+template <int DT, int GB>
+inline void step(const float* q, const int8_t* const* kr, const int8_t* const* vr, int n, PrefetchCursor* pf,
+                 float softcap, float* acc, DecodeHead* hs) {
+  constexpr int NV = DT / kLanes;
+  constexpr int SV = kKeys / kLanes;  // score vectors a head
+  vfloat s[SV][GB];                   // lane j of s[c]: key c * kLanes + j's q . k_int8
+  for (int c = 0; c < SV; ++c) {
+    auto leaf = [&](int input, vfloat* out) {
+      const int8_t* k = kr[c * kLanes + tree_lane(input)];
+      if (pf != nullptr) pf->issue();
+      const vfloat k0 = load_row<int8_t>(k);
+      for (int g = 0; g < GB; ++g) out[g] = load(q + g * DT) * k0;
+      for (int i = 1; i < NV; ++i) {
+        const vfloat kv = load_row<int8_t>(k + i * kLanes);
+        for (int g = 0; g < GB; ++g) out[g] += load(q + g * DT + i * kLanes) * kv;
+      }
+    };
+    tree_of_leaves<GB>(leaf, 0, s[c]);
+  }
+
+  vfloat ks[SV], vs[SV];
+  vint valid[SV];
+  for (int c = 0; c < SV; ++c) {
+    for (int j = 0; j < kLanes; ++j) {
+      ks[c][j] = row_scale(kr[c * kLanes + j], DT);
+      vs[c][j] = row_scale(vr[c * kLanes + j], DT);
+    }
+    valid[c] = lane_index() < n - c * kLanes;
+  }
+  const vfloat ninf = vfloat{} - INFINITY;
+  alignas(64) vfloat weight[GB][kKeys];  // softmax weight x V scale of key j, broadcast
+  float alpha[GB];
+  for (int g = 0; g < GB; ++g) {
+    vfloat sg[SV];
+    vfloat top = ninf;
+    for (int c = 0; c < SV; ++c) {
+      sg[c] = s[c][g] * ks[c];
+      if (softcap > 0.0f) {
+        alignas(64) float t[kLanes];
+        store(t, sg[c]);
+        for (int j = 0; j < kLanes; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
+        sg[c] = load(t);
+      }
+      sg[c] = valid[c] ? sg[c] : ninf;
+      top = vmax(top, sg[c]);
+    }
+    const float old_max = hs[g].max;
+    const float new_max = std::max(old_max, max_lanes(top));
+    alpha[g] = old_max == -INFINITY ? 0.0f : exp2_neg(old_max - new_max);
+    vfloat sum = hs[g].sum * alpha[g];
+    for (int c = 0; c < SV; ++c) {
+      vfloat pg = exp2_neg_vec(sg[c] - new_max);
+      pg = valid[c] ? pg : vfloat{};
+      sum += pg;
+      const vfloat wg = pg * vs[c];
+      for (int j = 0; j < kLanes; ++j) weight[g][c * kLanes + j] = splat(wg[j]);
+    }
+    hs[g].max = new_max;
+    hs[g].sum = sum;
+  }
+
+  constexpr int SL = NV % 2 == 0 ? 2 : 1;  // vectors a P.V slice
+  for (int i = 0; i < NV; i += SL) {
+    if (pf != nullptr) pf->issue();
+    vfloat a[GB][SL];
+    for (int g = 0; g < GB; ++g)
+      for (int x = 0; x < SL; ++x) a[g][x] = load(acc + g * DT + (i + x) * kLanes) * alpha[g];
+    for (int j = 0; j < kKeys; ++j) {
+      for (int x = 0; x < SL; ++x) {
+        const vfloat vv = load_row<int8_t>(vr[j] + (i + x) * kLanes);
+        for (int g = 0; g < GB; ++g) a[g][x] += weight[g][j] * vv;
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int x = 0; x < SL; ++x) store(acc + g * DT + (i + x) * kLanes, a[g][x]);
+  }
+}
+
+template <int DT>
+inline void pass(int gb, const float* q, const int8_t* const* kr, const int8_t* const* vr, int n, PrefetchCursor* pf,
+                 float softcap, float* acc, DecodeHead* hs) {
+  static_assert(kInt8MaxPass == 4, "pass sizes 1..4");
+  switch (gb) {
+    case 4: step<DT, 4>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    case 3: step<DT, 3>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    case 2: step<DT, 2>(q, kr, vr, n, pf, softcap, acc, hs); break;
+    default: step<DT, 1>(q, kr, vr, n, pf, softcap, acc, hs); break;
+  }
+}
+
+// The query token of sequence u.seq (position seq_len - 1) against its visible keys, KV heads [h0, h1):
+// kKeys keys a step, the rows kDecodeAhead keys on prefetched into L2 meanwhile (decode.h).
+template <int DT>
+void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
+  static_assert(DT % kLanes == 0 && DT <= 256, "int8 decode: head dims that are whole vectors");
+  const int G = a.num_heads / a.num_kv_heads;
+  const int nh = u.h1 - u.h0;
+  const int len = a.seq_lens[u.seq];
+  const int lo = a.window > 0 ? std::max(0, len - a.window) : 0;
+  const int64_t row = row_bytes(DT);
+  const int64_t token_stride = row * a.num_kv_heads;
+  const int64_t block_stride = token_stride * a.block_size;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(u.seq) * a.bt_stride;
+  const int8_t* kc = a.k_cache + u.h0 * row;
+  const int8_t* vc = a.v_cache + u.h0 * row;
+
+  const int rows = nh * G;  // query heads h0 * G + r
+  const float qscale = a.softcap > 0.0f ? a.scale : a.scale * kLog2e;  // exp2 softmax; capping in natural units
+  w.q.resize(static_cast<size_t>(rows) * DT);
+  for (int r = 0; r < rows; ++r) {
+    const float* src = a.q + u.seq * a.q_tok_stride + static_cast<int64_t>(u.h0 * G + r) * a.q_head_stride;
+    for (int d = 0; d < DT; ++d) w.q[static_cast<size_t>(r) * DT + d] = src[d] * qscale;
+  }
+  w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
+  w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
+
+  constexpr int kRing = kDecodeAhead / kKeys + 1;
+  w.off.resize(static_cast<size_t>(kRing) * kKeys);
+  auto offsets = [&](int c0) -> int64_t* { return w.off.data() + ((c0 - lo) / kKeys % kRing) * kKeys; };
+  for (int c0 = lo; c0 < std::min(len, lo + kDecodeAhead); c0 += kKeys)
+    row_offsets(table, c0, std::min(kKeys, len - c0), a.block_size, block_stride, token_stride, offsets(c0));
+
+  const int passes = (G + kInt8MaxPass - 1) / kInt8MaxPass;  // as even as possible (G = 8: 4 + 4)
+  const int calls = nh * (kKeys + (DT / kLanes + 1) / 2);  // PrefetchCursor::issue calls a step
+  const int span = static_cast<int>(nh * row);                // the unit's bytes of one token, unaligned
+  const int lines_per_row = (span + 62) / 64 + 1;
+  const int8_t* zero = reinterpret_cast<const int8_t*>(kZeroRow);
+  const int8_t* kr[kKeys];
+  const int8_t* vr[kKeys];
+  for (int c0 = lo; c0 < len; c0 += kKeys) {
+    const int n = std::min(kKeys, len - c0);
+    const int64_t* off = offsets(c0);
+    const int a0 = c0 + kDecodeAhead;
+    const int n_ahead = a0 < len ? std::min(kKeys, len - a0) : 0;
+    if (n_ahead > 0) row_offsets(table, a0, n_ahead, a.block_size, block_stride, token_stride, offsets(a0));
+    PrefetchCursor pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), offsets(a0), 1,
+                      n_ahead, lines_per_row, (n_ahead * lines_per_row + calls - 1) / calls};
+    for (int hh = 0; hh < nh; ++hh) {
+      for (int j = 0; j < kKeys; ++j) {
+        kr[j] = j < n ? kc + off[j] + hh * row : zero;
+        vr[j] = j < n ? vc + off[j] + hh * row : zero;
+      }
+      for (int p = 0, g0 = 0; p < passes; ++p) {
+        const int gb = G / passes + (p < G % passes ? 1 : 0);
+        const int r = hh * G + g0;
+        pass<DT>(gb, w.q.data() + static_cast<int64_t>(r) * DT, kr, vr, n, p == 0 ? &pf : nullptr, a.softcap,
+                 w.acc.data() + static_cast<int64_t>(r) * DT, w.head.data() + r);
+        g0 += gb;
+      }
+    }
+  }
+
+  float* dst = a.out + (static_cast<int64_t>(u.seq) * a.num_heads + u.h0 * G) * DT;
+  for (int r = 0; r < rows; ++r) {
+    const float total = add_lanes(w.head[r].sum);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int d = 0; d < DT; ++d) dst[static_cast<int64_t>(r) * DT + d] = w.acc[static_cast<size_t>(r) * DT + d] * inv;
+  }
+}
+
+template <int DT>
 void run(const Args& a, int threads) {
+  // One unit a sequence (its KV heads' rows of a token are adjacent); heads apart only when too few to go round.
+  const int split = a.num_seqs >= 4 * threads ? 1 : a.num_kv_heads;
+  std::vector<Unit8> units;
+  units.reserve(static_cast<size_t>(a.num_seqs) * split);
+  for (int s = 0; s < a.num_seqs; ++s)
+    for (int part = 0; part < split; ++part)
+      units.push_back({s, part * a.num_kv_heads / split, (part + 1) * a.num_kv_heads / split});
+  const int n = static_cast<int>(units.size());
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch8 w;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) run_unit<DT>(a, units[i], w);
+  }
+}
+
+// Any head dim: per key, each row widened once into a float buffer for the group's heads.
+void run_general(const Args& a, int threads) {
   const int group = a.num_heads / a.num_kv_heads;
   const int dim = a.head_dim;
-  const int64_t row = dim + 2;
+  const int64_t row = row_bytes(dim);
   const int64_t token_stride = row * a.num_kv_heads;
   const int64_t block_stride = token_stride * a.block_size;
   const int units = a.num_seqs * a.num_kv_heads;
@@ -84,14 +262,19 @@ void run(const Args& a, int threads) {
       }
       scores.resize(static_cast<size_t>(group) * std::max(n, 1));
       std::vector<float> maxes(group, -INFINITY), sums(group, 0.0f);
+      auto row_at = [&](const int8_t* cache, int pos) {
+        return cache + static_cast<int64_t>(table[pos / a.block_size]) * block_stride +
+               (pos % a.block_size) * token_stride + kvh * row;
+      };
       for (int i = 0; i < n; ++i) {
-        const int pos = lo + i;
-        const int8_t* k = a.k_cache + static_cast<int64_t>(table[pos / a.block_size]) * block_stride +
-                          (pos % a.block_size) * token_stride + kvh * row;
+        const int8_t* k = row_at(a.k_cache, lo + i);
         const float ks = row_scale(k, dim);
-        widen<D>(wide.data(), k, dim);
+        for (int d = 0; d < dim; ++d) wide[d] = static_cast<float>(k[d]);
         for (int g = 0; g < group; ++g) {
-          float sc = dot<D>(&qs[g * dim], wide.data(), dim) * ks;
+          float sc = 0.0f;
+#pragma omp simd reduction(+ : sc)
+          for (int d = 0; d < dim; ++d) sc += qs[g * dim + d] * wide[d];
+          sc *= ks;
           if (a.softcap > 0.0f) sc = a.softcap * std::tanh(sc / a.softcap);
           scores[g * n + i] = sc;
           maxes[g] = std::max(maxes[g], sc);
@@ -105,12 +288,14 @@ void run(const Args& a, int threads) {
           sums[g] += e;
         }
       for (int i = 0; i < n; ++i) {
-        const int pos = lo + i;
-        const int8_t* v = a.v_cache + static_cast<int64_t>(table[pos / a.block_size]) * block_stride +
-                          (pos % a.block_size) * token_stride + kvh * row;
+        const int8_t* v = row_at(a.v_cache, lo + i);
         const float vs = row_scale(v, dim);
-        widen<D>(wide.data(), v, dim);
-        for (int g = 0; g < group; ++g) axpy<D>(&acc[g * dim], scores[g * n + i] * vs, wide.data(), dim);
+        for (int d = 0; d < dim; ++d) wide[d] = static_cast<float>(v[d]);
+        for (int g = 0; g < group; ++g) {
+          const float wgt = scores[g * n + i] * vs;
+#pragma omp simd
+          for (int d = 0; d < dim; ++d) acc[g * dim + d] += wgt * wide[d];
+        }
       }
       for (int g = 0; g < group; ++g) {
         float* dst = a.out + (static_cast<int64_t>(s) * a.num_heads + kvh * group + g) * dim;
@@ -122,6 +307,7 @@ void run(const Args& a, int threads) {
 }
 
 }  // namespace pagedkv_int8
+}  // namespace
 
 extern "C" {
 
@@ -134,10 +320,13 @@ int pagedkv_cpu_decode_int8(const float* q, int64_t q_tok_stride, int64_t q_head
   pagedkv_int8::Args a{q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride, seq_lens,
                        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap};
   threads = std::max(1, threads);
-  switch (head_dim) {
+  const bool whole = head_dim % kLanes == 0;
+  switch (whole ? head_dim : 0) {
+    case 32: pagedkv_int8::run<32>(a, threads); break;
     case 64: pagedkv_int8::run<64>(a, threads); break;
     case 128: pagedkv_int8::run<128>(a, threads); break;
-    default: pagedkv_int8::run<0>(a, threads); break;
+    case 256: pagedkv_int8::run<256>(a, threads); break;
+    default: pagedkv_int8::run_general(a, threads); break;
   }
   return 0;
 }

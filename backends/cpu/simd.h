@@ -6,7 +6,7 @@
 //   anything else (SSE2, NEON): 4 floats, 16 registers
 //
 // Everything the kernels need that depends on the width lives here: the vector types, row loads
-// (load_row: one per cache element type, where a quantized cache would add its own), the shuffle
+// (load_row: one per cache element type: float, bf16, int8), the shuffle
 // trees that sum or compare across lanes, the in-register transpose, and the register-tile sizes
 // the decode and prefill units use. The shuffle masks are computed at compile time from the width,
 // so one definition serves every build. Included by attention.cpp inside its anonymous namespace
@@ -83,6 +83,23 @@ inline vfloat load_row<uint16_t>(const uint16_t* p) {
   vfloat f;
   std::memcpy(&f, &wide, sizeof(f));
   return f;
+}
+
+// kLanes int8 values widened to float in registers (the int8 cache, decode_int8.h): one sign-extending load
+// and one int->float conversion a vector on AVX2 / AVX-512, lane by lane elsewhere.
+template <>
+inline vfloat load_row<int8_t>(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+#else
+  vfloat f;
+  for (int l = 0; l < kLanes; ++l) f[l] = static_cast<float>(p[l]);
+  return f;
+#endif
 }
 
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
