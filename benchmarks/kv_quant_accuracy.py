@@ -96,7 +96,7 @@ def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> f
 
 
 def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int,
-            progress: Any = None) -> dict[str, Any]:
+            progress: Any = None, kv_dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
     """The figures for one model; ``progress(kv_dtype, row)`` is called as each dtype's row is done."""
     model, tokenizer = load(name)
     vocab = model.config.vocab_size
@@ -108,7 +108,7 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
     base_logits = forward_logits(model, "auto", forced)
     base_ppl = perplexity(model, "auto", text_ids, window)
     rows = {}
-    for kv_dtype in DTYPES:
+    for kv_dtype in kv_dtypes:
         started = time.perf_counter()
         logits = base_logits if kv_dtype == "auto" else forward_logits(model, kv_dtype, forced)
         out = base_out if kv_dtype == "auto" else generate(model, kv_dtype, prompts, tokens)
@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-dtypes", default=",".join(DTYPES), help="the cache dtypes to measure (auto is the base)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -167,7 +168,11 @@ def main() -> None:
     def progress(kv_dtype: str, row: dict) -> None:  # a long run on a loaded machine keeps what it measured
         print(f"# {kv_dtype}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
-    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window, progress)
+    kv_dtypes = tuple(args.kv_dtypes.split(","))
+    unknown = sorted(set(kv_dtypes) - set(DTYPES))
+    if unknown:
+        parser.error(f"--kv-dtypes: unknown {', '.join(unknown)}; use some of {', '.join(DTYPES)}")
+    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window, progress, kv_dtypes)
                for m in args.models.split(",")]
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(format_table(r) for r in results))
 
