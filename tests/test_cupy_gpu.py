@@ -266,6 +266,40 @@ def check_write_kv_int8(backend, device, dtype, block_size=16, num_kv_heads=2, h
     torch.testing.assert_close(out[0], expected, atol=atol, rtol=rtol)
 
 
+def check_int8_attention(backend, device, dtype, seq_lens, query_lens, block_size=16, heads=(8, 2), head_dim=64,
+                         window=None, softcap=None, partition=None, seed=5):
+    """An int8 cache read by the kernels themselves: the output equals a float64 attention over the dequantized
+    rows. Unused slots hold junk values with NaN scales; the torch reference (the fp8 path) is made to fail, so
+    a silent fall-back to it cannot pass."""
+    import attention_cases
+
+    from pagedkv.backends.torch_ref import attention as torch_ref_attention
+
+    meta, query, k_cache, v_cache, keys, values = attention_cases.make_case(
+        seq_lens, query_lens, block_size, heads=heads[0], kv_heads=heads[1], dim=head_dim, dtype=dtype, seed=seed,
+        kv_dtype=torch.int8,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    want, start = [], 0
+    for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
+        want.append(attention_cases.reference(query[start : start + q_len], k, v, n - q_len, scale, window, softcap))
+        start += q_len
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the int8 cache went to the torch reference, not to the kernels")
+
+    fallback = torch_ref_attention.paged_attention
+    torch_ref_attention.paged_attention = no_fallback
+    backend.partition_size = partition
+    try:
+        out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, scale, window=window,
+                             softcap=softcap)
+    finally:
+        torch_ref_attention.paged_attention = fallback
+        backend.partition_size = None
+    assert_close_to(out, torch.cat(want), dtype, f"int8 cache, heads {heads}, head_dim {head_dim}")
+
+
 def check_write_then_attend(backend, device, dtype):
     """The engine's order: write this step's rows through write_kv, then attend over the cache."""
     case = make_case(context_lens=[0, 18, 4], query_lens=[9, 1, 6], dtype=dtype, device=device)
@@ -373,6 +407,24 @@ def test_long_context_partitions(backend, partition_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_cache_write_and_read(backend, dtype):
     check_write_kv_int8(backend, "cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3), (32, 2)])
+def test_int8_cache_read_in_the_kernels(backend, dtype, head_dim, heads):
+    # decodes (one long enough for several partitions) and prefill chunks, none a multiple of the block size
+    check_int8_attention(backend, "cuda", dtype, [1, 17, 2100, 40, 95, 3], [1, 1, 1, 40, 30, 2], heads=heads,
+                         head_dim=head_dim)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+def test_int8_cache_block_sizes_window_softcap(backend, dtype, block_size):
+    lens, q_lens = [5, 50, 300, 33], [1, 1, 1, 20]
+    check_int8_attention(backend, "cuda", dtype, lens, q_lens, block_size=block_size, heads=(6, 2))
+    check_int8_attention(backend, "cuda", dtype, lens, q_lens, block_size=block_size, window=30, softcap=3.0,
+                         partition=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

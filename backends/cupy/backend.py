@@ -153,15 +153,18 @@ class CupyBackend:
                 module = self._modules[key] = _Module(self._cupy, names)
         return module
 
-    def _attention(self, dtype: torch.dtype, head_dim: int, block_size: int) -> tuple[kc.Names, _Module]:
-        """Decode, reduce and prefill kernels for this dtype, head_dim and block size (compiled on first use)."""
+    def _attention(
+        self, dtype: torch.dtype, head_dim: int, block_size: int, cache_dtype: torch.dtype
+    ) -> tuple[kc.Names, _Module]:
+        """Decode, reduce and prefill kernels for queries of this dtype over caches of ``cache_dtype``, this
+        head_dim and block size (compiled on first use)."""
         if head_dim not in kc.HEAD_DIMS:
             raise ValueError(
                 f"cupy backend: head_dim {head_dim} has no compiled kernel (supported: {kc.HEAD_DIMS}); "
                 "use --backend torch"
             )
-        names = kc.names_for(dtype, head_dim, block_size)
-        key = ("attention", dtype, head_dim, kc.block_size_param(block_size))
+        names = kc.names_for(dtype, head_dim, block_size, cache_dtype)
+        key = ("attention", dtype, cache_dtype, head_dim, kc.block_size_param(block_size))
         return names, self._module(key, names.attention())
 
     def _cache_ops(self, dtype: torch.dtype) -> tuple[kc.Names, _Module]:
@@ -328,19 +331,26 @@ class CupyBackend:
         Sequences with one query row this step go to the decode kernel, the
         others (prefill chunks, with or without cached context) to the prefill
         kernel; the two write disjoint rows of the output. ``window``/``softcap``:
-        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset).
+        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset). An int8 cache is read by the
+        same kernels, dequantized in registers; an fp8 cache (or an int8 one of a head_dim without a kernel)
+        by the torch reference's dequantizing gather.
         """
         check_window(window)
         self._check_cache(k_cache, v_cache)
-        if is_quantized(k_cache.dtype):  # no 8-bit kernel yet: the reference dequantizes in its gather, on the GPU
+        quantized = is_quantized(k_cache.dtype)
+        if quantized and (k_cache.dtype not in kc.KV_TAGS or query.shape[-1] not in kc.HEAD_DIMS):
+            # fp8, or a head_dim without a kernel: the reference dequantizes in its gather, on the GPU
             return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        _, block_size, num_kv_heads, width = k_cache.shape
+        head_dim = query.shape[-1]
+        if query.dim() != 3 or row_width(head_dim, k_cache.dtype) != width or query.shape[1] % num_kv_heads:
             raise ValueError(
                 f"cupy backend: query {tuple(query.shape)} does not fit a cache with "
-                f"{num_kv_heads} KV heads of dim {head_dim}"
+                f"{num_kv_heads} KV heads of {width}-element rows"
             )
-        if query.dtype != k_cache.dtype:
+        if quantized and query.dtype not in kc.DTYPE_TAGS:
+            raise ValueError(f"cupy backend: query dtype {query.dtype} is not supported")
+        if not quantized and query.dtype != k_cache.dtype:
             raise ValueError(f"cupy backend: query is {query.dtype} but the cache is {k_cache.dtype}")
         if meta.block_size != block_size:
             raise ValueError(f"cupy backend: metadata block_size {meta.block_size} != cache block size {block_size}")
@@ -350,7 +360,7 @@ class CupyBackend:
         out = torch.empty_like(q)
         if q.shape[0] == 0 or meta.num_seqs == 0:
             return out
-        names, module = self._attention(q.dtype, head_dim, block_size)
+        names, module = self._attention(q.dtype, head_dim, block_size, k_cache.dtype)
         with self._cupy.cuda.Device(self.device.index), self._stream():
             call = _Call(
                 meta=meta,

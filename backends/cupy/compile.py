@@ -25,6 +25,9 @@ DTYPE_TAGS: dict[torch.dtype, str] = {
     torch.float16: "pagedkv::F16",
     torch.bfloat16: "pagedkv::BF16",
 }
+# Row-format tag (kv_row.cuh) of each quantized cache dtype the attention kernels read in the kernel; a cache of
+# the model dtype uses the templates' default (KvSame) and keeps the shorter names.
+KV_TAGS: dict[torch.dtype, str] = {torch.int8: "pagedkv::KvInt8"}
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # Block sizes with a specialised instantiation; 0 is the generic one that reads
 # the block size at run time (any block size the config allows, 1..256).
@@ -101,18 +104,25 @@ class Names:
         return [*self.attention(), *self.cache_ops()]
 
 
-def names_for(dtype: torch.dtype, head_dim: int | None = None, block_size: int | None = None) -> Names:
-    """Kernels the backend launches for caches of this dtype, head dim and block size.
+def names_for(
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    block_size: int | None = None,
+    cache_dtype: torch.dtype | None = None,
+) -> Names:
+    """Kernels the backend launches for queries of ``dtype`` over caches of this head dim and block size.
 
+    ``cache_dtype``: a quantized cache's dtype (a key of ``KV_TAGS``); None for a cache of ``dtype`` itself.
     Without ``head_dim`` (and ``block_size``) only the cache-op names are meaningful.
     """
     tag = DTYPE_TAGS[dtype]
+    kv = "" if cache_dtype is None or cache_dtype == dtype else f", {KV_TAGS[cache_dtype]}"
     hd = HEAD_DIMS[0] if head_dim is None else head_dim
     bs = block_size_param(16 if block_size is None else block_size)
     return Names(
-        decode={g: f"pagedkv_decode<{tag}, {hd}, {bs}, {g}>" for g in HEAD_TILES},
+        decode={g: f"pagedkv_decode<{tag}, {hd}, {bs}, {g}{kv}>" for g in HEAD_TILES},
         reduce=f"pagedkv_decode_reduce<{tag}, {hd}>",
-        prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}>",
+        prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}{kv}>",
         write_kv=f"pagedkv_write_kv<{tag}>",
         write_kv_int8=f"pagedkv_write_kv_int8<{tag}>",
         copy_blocks={word: f"pagedkv_copy_blocks<{word}>" for word, _ in COPY_WORDS},
@@ -125,8 +135,9 @@ def all_instantiations() -> list[str]:
     for dtype in DTYPE_TAGS:
         for head_dim in HEAD_DIMS:
             for block_size in BLOCK_SIZES:
-                for name in names_for(dtype, head_dim, block_size).all():
-                    names[name] = None
+                for cache_dtype in (None, *KV_TAGS):
+                    for name in names_for(dtype, head_dim, block_size, cache_dtype).all():
+                        names[name] = None
     return list(names)
 
 
