@@ -24,7 +24,7 @@ from pagedkv.backends.cupy import compile as kc
 from pagedkv.backends.torch_ref import attention as reference
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
-from pagedkv.core.kv.kv_dtype import is_quantized, row_width
+from pagedkv.core.kv.kv_dtype import byte_view, is_quantized, row_width
 
 NEEDS_CUDA = "the cupy backend needs a CUDA device; use --backend torch"
 _THREADS = 128
@@ -188,9 +188,10 @@ class CupyBackend:
         return stream
 
     def _view(self, tensor: torch.Tensor) -> Any:
-        """Zero-copy CuPy view of a CUDA tensor through DLPack (bf16 as int16 bits)."""
+        """Zero-copy CuPy view of a CUDA tensor through DLPack (bf16 as int16 bits, fp8 as int8 bytes)."""
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.int16)
+        tensor = byte_view(tensor)
         return self._cupy.from_dlpack(tensor)
 
     def _cache_view(self, cache: torch.Tensor) -> Any:
@@ -269,14 +270,11 @@ class CupyBackend:
     ) -> None:
         """Scatter ``key``/``value`` rows ``[T, Hkv, D]`` into their slots; slot -1 is skipped.
 
-        An int8 cache is quantized by ``pagedkv_write_kv_int8`` (bit for bit as the reference); an fp8 cache
-        is written by the reference's op, which runs as torch kernels on the device."""
+        An 8-bit cache is quantized by ``pagedkv_write_kv_int8`` / ``pagedkv_write_kv_fp8``, bit for bit as
+        the reference."""
         self._check_cache(k_cache, v_cache)
         num_tokens = key.shape[0]
         if num_tokens == 0:
-            return
-        if is_quantized(k_cache.dtype) and k_cache.dtype != torch.int8:
-            reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
         heads, head_dim = k_cache.shape[2], key.shape[-1]
         if key.shape != (num_tokens, heads, head_dim) or value.shape != key.shape or (
@@ -286,8 +284,8 @@ class CupyBackend:
             )
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"cupy backend: {slot_mapping.shape[0]} slots for {num_tokens} tokens")
-        int8 = k_cache.dtype == torch.int8
-        if int8:  # quantized from the model's own dtype
+        quantized = is_quantized(k_cache.dtype)
+        if quantized:  # quantized from the model's own dtype
             source = key.dtype if key.dtype in kc.DTYPE_TAGS else torch.float32
             key, value = key.to(source), value.to(source)
         else:
@@ -298,7 +296,12 @@ class CupyBackend:
             value = value.contiguous()
         slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
         names, module = self._cache_ops(key.dtype)
-        name = names.write_kv_int8 if int8 else names.write_kv
+        if not quantized:
+            name = names.write_kv
+        elif k_cache.dtype == torch.int8:
+            name = names.write_kv_int8
+        else:
+            name = names.write_kv_fp8[k_cache.dtype]
         with self._cupy.cuda.Device(self.device.index), self._stream():
             args = (
                 self._view(key),
@@ -331,15 +334,15 @@ class CupyBackend:
         Sequences with one query row this step go to the decode kernel, the
         others (prefill chunks, with or without cached context) to the prefill
         kernel; the two write disjoint rows of the output. ``window``/``softcap``:
-        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset). An int8 cache is read by the
-        same kernels, dequantized in registers; an fp8 cache (or an int8 one of a head_dim without a kernel)
-        by the torch reference's dequantizing gather.
+        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset). An 8-bit cache (int8, fp8) is read
+        by the same kernels, dequantized in registers (one of a head_dim without a kernel by the torch
+        reference's dequantizing gather).
         """
         check_window(window)
         self._check_cache(k_cache, v_cache)
         quantized = is_quantized(k_cache.dtype)
-        if quantized and (k_cache.dtype not in kc.KV_TAGS or query.shape[-1] not in kc.HEAD_DIMS):
-            # fp8, or a head_dim without a kernel: the reference dequantizes in its gather, on the GPU
+        if quantized and query.shape[-1] not in kc.HEAD_DIMS:
+            # a head_dim without a kernel: the reference dequantizes in its gather, on the GPU
             return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         _, block_size, num_kv_heads, width = k_cache.shape
         head_dim = query.shape[-1]

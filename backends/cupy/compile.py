@@ -17,7 +17,7 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # Order matters: common.cuh is inlined where the .cu files include it.
-SOURCE_FILES = ("decode.cu", "prefill.cu", "cache_ops.cu")
+SOURCE_FILES = ("decode.cu", "prefill.cu", "cache_ops.cu", "write_kv_fp8.cu")
 
 # dtype tag in the CUDA sources for each torch dtype the engine supports.
 DTYPE_TAGS: dict[torch.dtype, str] = {
@@ -27,7 +27,11 @@ DTYPE_TAGS: dict[torch.dtype, str] = {
 }
 # Row-format tag (kv_row.cuh) of each quantized cache dtype the attention kernels read in the kernel; a cache of
 # the model dtype uses the templates' default (KvSame) and keeps the shorter names.
-KV_TAGS: dict[torch.dtype, str] = {torch.int8: "pagedkv::KvInt8"}
+KV_TAGS: dict[torch.dtype, str] = {
+    torch.int8: "pagedkv::KvInt8",
+    torch.float8_e4m3fn: "pagedkv::KvE4M3",
+    torch.float8_e5m2: "pagedkv::KvE5M2",
+}
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # Block sizes with a specialised instantiation; 0 is the generic one that reads
 # the block size at run time (any block size the config allows, 1..256).
@@ -90,6 +94,7 @@ class Names:
     prefill: str
     write_kv: str
     write_kv_int8: str  # into an int8 cache, from key/value of this dtype
+    write_kv_fp8: dict[torch.dtype, str]  # into an fp8 cache of the key's dtype
     copy_blocks: dict[str, str]  # word type -> name
 
     def attention(self) -> list[str]:
@@ -98,7 +103,7 @@ class Names:
 
     def cache_ops(self) -> list[str]:
         """The kernels that depend on the dtype at most (any head_dim and block size)."""
-        return [self.write_kv, self.write_kv_int8, *self.copy_blocks.values()]
+        return [self.write_kv, self.write_kv_int8, *self.write_kv_fp8.values(), *self.copy_blocks.values()]
 
     def all(self) -> list[str]:
         return [*self.attention(), *self.cache_ops()]
@@ -125,6 +130,10 @@ def names_for(
         prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}{kv}>",
         write_kv=f"pagedkv_write_kv<{tag}>",
         write_kv_int8=f"pagedkv_write_kv_int8<{tag}>",
+        write_kv_fp8={
+            torch.float8_e4m3fn: f"pagedkv_write_kv_fp8<{tag}, true>",
+            torch.float8_e5m2: f"pagedkv_write_kv_fp8<{tag}, false>",
+        },
         copy_blocks={word: f"pagedkv_copy_blocks<{word}>" for word, _ in COPY_WORDS},
     )
 
