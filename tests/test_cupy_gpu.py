@@ -10,6 +10,7 @@ block, a block it does not own) poisons the output.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -253,7 +254,8 @@ def check_write_kv_8bit(backend, device, dtype, kv_dtype="int8", block_size=16, 
         return torch.full(shape, 9, dtype=torch.int8).view(kv_dtype)
 
     k_cache, v_cache = junk().to(device), junk().to(device)
-    backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
+    with kernels_only("write_kv"):
+        backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
     want_k, want_v = junk(), junk()
     reference_write_kv(key, value, want_k, want_v, slots)
     assert torch.equal(byte_view(k_cache).cpu(), byte_view(want_k))
@@ -274,8 +276,9 @@ def check_write_kv_8bit(backend, device, dtype, kv_dtype="int8", block_size=16, 
 
 def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     """Every fp8 value, every midpoint between neighbours (ties go to the even code) and points just off them,
-    written by the kernel from ``dtype`` (float32: every point exact): bytes equal the reference's. Each row starts with the format's largest
-    value, so its scale is exactly 1 and the row's values reach the rounding unchanged."""
+    written by the kernel from ``dtype`` (float32: every point exact): bytes equal the reference's. Each row
+    starts with the format's largest value, so its scale is exactly 1 and its values reach the rounding as
+    they are."""
     from pagedkv.backends.torch_ref.attention import write_kv as reference_write_kv
     from pagedkv.core.kv.kv_dtype import QMAX, byte_view
 
@@ -293,7 +296,8 @@ def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     slots = torch.arange(rows)
-    backend.write_kv(key.to(device), key.to(device), k_cache, v_cache, slots.to(device))
+    with kernels_only("write_kv"):
+        backend.write_kv(key.to(device), key.to(device), k_cache, v_cache, slots.to(device))
     want_k, want_v = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
     reference_write_kv(key, key, want_k, want_v, slots)
     got, want = byte_view(k_cache).cpu().view(-1), byte_view(want_k).view(-1)
@@ -302,14 +306,29 @@ def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     assert torch.equal(byte_view(v_cache).cpu(), byte_view(want_v))
 
 
+@contextlib.contextmanager
+def kernels_only(op: str):
+    """Make the torch reference's ``op`` (``paged_attention``, ``write_kv``) fail while the block runs, so a
+    check of the backend's own kernels cannot pass through a silent fall-back to the reference."""
+    from pagedkv.backends.torch_ref import attention as torch_ref_attention
+
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the backend fell back to the torch reference's {op}")
+
+    saved = getattr(torch_ref_attention, op)
+    setattr(torch_ref_attention, op, fail)
+    try:
+        yield
+    finally:
+        setattr(torch_ref_attention, op, saved)
+
+
 def check_8bit_attention(backend, device, dtype, seq_lens, query_lens, kv_dtype="int8", block_size=16, heads=(8, 2),
                          head_dim=64, window=None, softcap=None, partition=None, seed=5):
     """An 8-bit cache (``kv_dtype``: int8, float8_e4m3fn, float8_e5m2) read by the kernels themselves: the output
     equals a float64 attention over the dequantized rows. Unused slots hold junk values with NaN scales; the
     torch reference's dequantizing gather is made to fail, so a silent fall-back to it cannot pass."""
     import attention_cases
-
-    from pagedkv.backends.torch_ref import attention as torch_ref_attention
 
     meta, query, k_cache, v_cache, keys, values = attention_cases.make_case(
         seq_lens, query_lens, block_size, heads=heads[0], kv_heads=heads[1], dim=head_dim, dtype=dtype, seed=seed,
@@ -321,17 +340,12 @@ def check_8bit_attention(backend, device, dtype, seq_lens, query_lens, kv_dtype=
         want.append(attention_cases.reference(query[start : start + q_len], k, v, n - q_len, scale, window, softcap))
         start += q_len
 
-    def no_fallback(*args, **kwargs):
-        raise AssertionError(f"the {kv_dtype} cache went to the torch reference, not to the kernels")
-
-    fallback = torch_ref_attention.paged_attention
-    torch_ref_attention.paged_attention = no_fallback
     backend.partition_size = partition
     try:
-        out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, scale, window=window,
-                             softcap=softcap)
+        with kernels_only("paged_attention"):
+            out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, scale,
+                                 window=window, softcap=softcap)
     finally:
-        torch_ref_attention.paged_attention = fallback
         backend.partition_size = None
     assert_close_to(out, torch.cat(want), dtype, f"{kv_dtype} cache, heads {heads}, head_dim {head_dim}")
 
