@@ -65,10 +65,24 @@ def test_instantiations_cover_the_backend() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for head_dim in kc.HEAD_DIMS:
             for block_size in (1, 7, 8, 16, 32, 64, 256):
-                names = kc.names_for(dtype, head_dim, block_size)
-                assert set(names.all()) <= listed
-                for group_size in (1, 2, 3, 4, 7, 8, 9, 16, 32):
-                    assert names.decode[kc.head_tile(group_size)] in listed
+                for cache_dtype in (None, dtype, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+                    names = kc.names_for(dtype, head_dim, block_size, cache_dtype)
+                    assert set(names.all()) <= listed
+                    for group_size in (1, 2, 3, 4, 7, 8, 9, 16, 32):
+                        assert names.decode[kc.head_tile(group_size)] in listed
+
+
+def test_8bit_caches_have_their_own_attention_kernels() -> None:
+    plain = kc.names_for(torch.float16, 64, 16)
+    assert kc.names_for(torch.float16, 64, 16, torch.float16) == plain
+    seen = {tuple(plain.attention())}
+    for cache_dtype, tag in kc.KV_TAGS.items():
+        names = kc.names_for(torch.float16, 64, 16, cache_dtype)
+        assert names.prefill == f"pagedkv_prefill<pagedkv::F16, 64, 16, {tag}>"
+        assert names.decode[4] == f"pagedkv_decode<pagedkv::F16, 64, 16, 4, {tag}>"
+        assert names.reduce == plain.reduce and names.cache_ops() == plain.cache_ops()
+        seen.add(tuple(names.attention()))
+    assert len(seen) == 1 + len(kc.KV_TAGS)
 
 
 def test_compile_error_reports_the_log() -> None:

@@ -127,6 +127,7 @@ HOST_REPLACEMENTS = {
 }
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 64)
+EIGHT_BIT_HEAD_DIMS = (64, 128)
 
 # (check function in test_cupy_gpu.py, dtype name, keyword arguments)
 CASES = [
@@ -143,8 +144,24 @@ CASES = [
     ("check_write_then_attend", "float16", {}),
     *[("check_write_kv", dt, {}) for dt in ("float32", "float16", "bfloat16")],
     ("check_write_kv", "float16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
-    *[("check_write_kv_int8", dt, {}) for dt in ("float32", "bfloat16")],
-    ("check_write_kv_int8", "float16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
+    *[("check_write_kv_8bit", dt, {}) for dt in ("float32", "bfloat16")],
+    ("check_write_kv_8bit", "float16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
+    ("check_write_kv_8bit", "float16", {"kv_dtype": "float8_e4m3fn"}),
+    ("check_write_kv_8bit", "float32", {"kv_dtype": "float8_e5m2", "block_size": 3, "num_kv_heads": 1,
+                                        "head_dim": 6}),
+    ("check_write_kv_8bit", "bfloat16", {"kv_dtype": "float8_e5m2"}),
+    *[("check_fp8_write_rounding", "float32", {"kv_dtype": kv}) for kv in ("float8_e4m3fn", "float8_e5m2")],
+    # 8-bit caches read in the kernels: mixed decode / prefill, GQA 3 and 1, head dims 64 / 128, block sizes 16 / 7
+    ("check_8bit_attention", "float16", {"seq_lens": [1, 17, 150, 33, 40], "query_lens": [1, 1, 1, 33, 7],
+                                         "heads": [6, 2]}),
+    ("check_8bit_attention", "bfloat16", {"seq_lens": [3, 130, 21], "query_lens": [1, 1, 9], "heads": [4, 4],
+                                          "head_dim": 128, "block_size": 7}),
+    ("check_8bit_attention", "float32", {"seq_lens": [9, 70, 26], "query_lens": [1, 1, 17], "heads": [3, 1],
+                                         "window": 20, "softcap": 2.5, "partition": 16}),
+    ("check_8bit_attention", "float16", {"seq_lens": [1, 40, 150, 30], "query_lens": [1, 1, 1, 11],
+                                         "heads": [6, 2], "kv_dtype": "float8_e4m3fn"}),
+    ("check_8bit_attention", "bfloat16", {"seq_lens": [3, 130, 21], "query_lens": [1, 1, 9], "heads": [4, 4],
+                                          "head_dim": 128, "block_size": 7, "kv_dtype": "float8_e5m2"}),
     ("check_copy_blocks", "float32", {}),
     ("check_copy_blocks", "float16", {"block_size": 1, "num_kv_heads": 1, "head_dim": 3}),
     ("check_copy_blocks", "bfloat16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),
@@ -162,6 +179,7 @@ RUNNER = textwrap.dedent(
     import torch
 
     lib_path, tests_dir, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    sys.path.insert(0, tests_dir)  # the checks import attention_cases
     lib = ctypes.CDLL(lib_path)
     lib.emu_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [ctypes.c_size_t, ctypes.c_void_p]
     lib.emu_launch.restype = ctypes.c_int
@@ -255,9 +273,12 @@ RUNNER = textwrap.dedent(
 def _instantiations() -> list[str]:
     names: dict[str, None] = {}
     for dtype in DTYPES:
-        for head_dim in HEAD_DIMS:
-            for block_size in (16, 0):
+        for block_size in (16, 0):
+            for head_dim in HEAD_DIMS:
                 names.update(dict.fromkeys(kc.names_for(dtype, head_dim, block_size).all()))
+            for head_dim in EIGHT_BIT_HEAD_DIMS:
+                for kv_dtype in kc.KV_TAGS:
+                    names.update(dict.fromkeys(kc.names_for(dtype, head_dim, block_size, kv_dtype).attention()))
     return list(names)
 
 

@@ -10,6 +10,7 @@ block, a block it does not own) poisons the output.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -232,12 +233,14 @@ def check_write_kv(backend, device, dtype, block_size=16, num_kv_heads=2, head_d
     assert torch.equal(v_cache.cpu().view(-1, num_kv_heads, head_dim).nan_to_num(7.0), want_v.nan_to_num(7.0))
 
 
-def check_write_kv_int8(backend, device, dtype, block_size=16, num_kv_heads=2, head_dim=64):
-    """An int8 cache: the kernel's bytes (values and bf16 scales) equal the torch reference's write, and
-    attention over it equals a float64 attention over the dequantized rows."""
+def check_write_kv_8bit(backend, device, dtype, kv_dtype="int8", block_size=16, num_kv_heads=2, head_dim=64):
+    """An 8-bit cache (``kv_dtype``: int8, float8_e4m3fn, float8_e5m2): the kernel's bytes (values and scales)
+    equal the torch reference's write, and attention over it equals a float64 attention over the dequantized
+    rows."""
     from pagedkv.backends.torch_ref.attention import write_kv as reference_write_kv
-    from pagedkv.core.kv.kv_dtype import dequantize_rows
+    from pagedkv.core.kv.kv_dtype import byte_view, dequantize_rows
 
+    kv_dtype = getattr(torch, kv_dtype)
     gen = torch.Generator().manual_seed(11)
     num_blocks, tokens = 6, 2 * block_size
     shape = (num_blocks, block_size, num_kv_heads, head_dim + 2)
@@ -246,12 +249,17 @@ def check_write_kv_int8(backend, device, dtype, block_size=16, num_kv_heads=2, h
     value = torch.randn((tokens, num_kv_heads, head_dim), generator=gen)
     key, value = key.to(dtype), value.to(dtype)
     slots = torch.cat([torch.arange(block_size) + 4 * block_size, torch.arange(block_size) + block_size])
-    k_cache = torch.full(shape, 9, dtype=torch.int8, device=device)
-    v_cache = torch.full(shape, 9, dtype=torch.int8, device=device)
-    backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
-    want_k, want_v = torch.full(shape, 9, dtype=torch.int8), torch.full(shape, 9, dtype=torch.int8)
+
+    def junk() -> torch.Tensor:
+        return torch.full(shape, 9, dtype=torch.int8).view(kv_dtype)
+
+    k_cache, v_cache = junk().to(device), junk().to(device)
+    with kernels_only("write_kv"):
+        backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
+    want_k, want_v = junk(), junk()
     reference_write_kv(key, value, want_k, want_v, slots)
-    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+    assert torch.equal(byte_view(k_cache).cpu(), byte_view(want_k))
+    assert torch.equal(byte_view(v_cache).cpu(), byte_view(want_v))
     seq_len = tokens - 5
     meta = AttentionMetadata.build(block_tables=[[4, 1]], context_lens=[seq_len - 1], query_lens=[1],
                                    block_size=block_size, device=device)
@@ -264,6 +272,82 @@ def check_write_kv_int8(backend, device, dtype, block_size=16, num_kv_heads=2, h
     expected = torch.einsum("hk,khd->hd", probs, v)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out[0], expected, atol=atol, rtol=rtol)
+
+
+def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
+    """Every fp8 value, every midpoint between neighbours (ties go to the even code) and points just off them,
+    written by the kernel from ``dtype`` (float32: every point exact): bytes equal the reference's. Each row
+    starts with the format's largest value, so its scale is exactly 1 and its values reach the rounding as
+    they are."""
+    from pagedkv.backends.torch_ref.attention import write_kv as reference_write_kv
+    from pagedkv.core.kv.kv_dtype import QMAX, byte_view
+
+    kv_dtype = getattr(torch, kv_dtype)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype).float()
+    grid = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values.double()
+    mids = (grid[1:] + grid[:-1]) / 2
+    pool = torch.cat([grid, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), grid[1:] * (1 - 2**-22)])
+    pool = torch.cat([pool, -pool]).float()
+    head_dim = 64
+    rows = -(-pool.numel() // (head_dim - 1))
+    pool = torch.cat([pool, torch.zeros(rows * (head_dim - 1) - pool.numel())]).view(rows, 1, head_dim - 1)
+    key = torch.cat([torch.full((rows, 1, 1), QMAX[kv_dtype]), pool], dim=-1).to(dtype)
+    shape = (rows, 1, 1, head_dim + 2)
+    k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    slots = torch.arange(rows)
+    with kernels_only("write_kv"):
+        backend.write_kv(key.to(device), key.to(device), k_cache, v_cache, slots.to(device))
+    want_k, want_v = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    reference_write_kv(key, key, want_k, want_v, slots)
+    got, want = byte_view(k_cache).cpu().view(-1), byte_view(want_k).view(-1)
+    bad = (got != want).nonzero()[:5].view(-1).tolist()
+    assert not bad, f"{kv_dtype}: bytes {got[bad].tolist()} where the reference writes {want[bad].tolist()}"
+    assert torch.equal(byte_view(v_cache).cpu(), byte_view(want_v))
+
+
+@contextlib.contextmanager
+def kernels_only(op: str):
+    """Make the torch reference's ``op`` (``paged_attention``, ``write_kv``) fail while the block runs, so a
+    check of the backend's own kernels cannot pass through a silent fall-back to the reference."""
+    from pagedkv.backends.torch_ref import attention as torch_ref_attention
+
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the backend fell back to the torch reference's {op}")
+
+    saved = getattr(torch_ref_attention, op)
+    setattr(torch_ref_attention, op, fail)
+    try:
+        yield
+    finally:
+        setattr(torch_ref_attention, op, saved)
+
+
+def check_8bit_attention(backend, device, dtype, seq_lens, query_lens, kv_dtype="int8", block_size=16, heads=(8, 2),
+                         head_dim=64, window=None, softcap=None, partition=None, seed=5):
+    """An 8-bit cache (``kv_dtype``: int8, float8_e4m3fn, float8_e5m2) read by the kernels themselves: the output
+    equals a float64 attention over the dequantized rows. Unused slots hold junk values with NaN scales; the
+    torch reference's dequantizing gather is made to fail, so a silent fall-back to it cannot pass."""
+    import attention_cases
+
+    meta, query, k_cache, v_cache, keys, values = attention_cases.make_case(
+        seq_lens, query_lens, block_size, heads=heads[0], kv_heads=heads[1], dim=head_dim, dtype=dtype, seed=seed,
+        kv_dtype=getattr(torch, kv_dtype),
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    want, start = [], 0
+    for n, q_len, k, v in zip(seq_lens, query_lens, keys, values):
+        want.append(attention_cases.reference(query[start : start + q_len], k, v, n - q_len, scale, window, softcap))
+        start += q_len
+
+    backend.partition_size = partition
+    try:
+        with kernels_only("paged_attention"):
+            out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, scale,
+                                 window=window, softcap=softcap)
+    finally:
+        backend.partition_size = None
+    assert_close_to(out, torch.cat(want), dtype, f"{kv_dtype} cache, heads {heads}, head_dim {head_dim}")
 
 
 def check_write_then_attend(backend, device, dtype):
@@ -370,9 +454,39 @@ def test_long_context_partitions(backend, partition_size):
         backend.partition_size = None
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_cache_write_and_read(backend, dtype):
-    check_write_kv_int8(backend, "cuda", dtype)
+def test_8bit_cache_write_and_read(backend, dtype, kv_dtype):
+    check_write_kv_8bit(backend, "cuda", dtype, kv_dtype)
+    check_write_kv_8bit(backend, "cuda", dtype, kv_dtype, block_size=3, num_kv_heads=1, head_dim=6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_write_rounds_to_nearest_even(backend, kv_dtype):
+    check_fp8_write_rounding(backend, "cuda", torch.float32, kv_dtype)
+
+
+EIGHT_BIT = ["int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3), (32, 2)])
+def test_8bit_cache_read_in_the_kernels(backend, kv_dtype, dtype, head_dim, heads):
+    # decodes (one long enough for several partitions) and prefill chunks, none a multiple of the block size
+    check_8bit_attention(backend, "cuda", dtype, [1, 17, 2100, 40, 95, 3], [1, 1, 1, 40, 30, 2], kv_dtype,
+                         heads=heads, head_dim=head_dim)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+def test_8bit_cache_block_sizes_window_softcap(backend, kv_dtype, dtype, block_size):
+    lens, q_lens = [5, 50, 300, 33], [1, 1, 1, 20]
+    check_8bit_attention(backend, "cuda", dtype, lens, q_lens, kv_dtype, block_size=block_size, heads=(6, 2))
+    check_8bit_attention(backend, "cuda", dtype, lens, q_lens, kv_dtype, block_size=block_size, window=30,
+                         softcap=3.0, partition=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

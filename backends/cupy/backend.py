@@ -24,7 +24,7 @@ from pagedkv.backends.cupy import compile as kc
 from pagedkv.backends.torch_ref import attention as reference
 from pagedkv.backends.torch_ref.attention import swap_blocks as reference_swap_blocks
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
-from pagedkv.core.kv.kv_dtype import is_quantized, row_width
+from pagedkv.core.kv.kv_dtype import byte_view, is_quantized, row_width
 
 NEEDS_CUDA = "the cupy backend needs a CUDA device; use --backend torch"
 _THREADS = 128
@@ -153,15 +153,18 @@ class CupyBackend:
                 module = self._modules[key] = _Module(self._cupy, names)
         return module
 
-    def _attention(self, dtype: torch.dtype, head_dim: int, block_size: int) -> tuple[kc.Names, _Module]:
-        """Decode, reduce and prefill kernels for this dtype, head_dim and block size (compiled on first use)."""
+    def _attention(
+        self, dtype: torch.dtype, head_dim: int, block_size: int, cache_dtype: torch.dtype
+    ) -> tuple[kc.Names, _Module]:
+        """Decode, reduce and prefill kernels for queries of this dtype over caches of ``cache_dtype``, this
+        head_dim and block size (compiled on first use)."""
         if head_dim not in kc.HEAD_DIMS:
             raise ValueError(
                 f"cupy backend: head_dim {head_dim} has no compiled kernel (supported: {kc.HEAD_DIMS}); "
                 "use --backend torch"
             )
-        names = kc.names_for(dtype, head_dim, block_size)
-        key = ("attention", dtype, head_dim, kc.block_size_param(block_size))
+        names = kc.names_for(dtype, head_dim, block_size, cache_dtype)
+        key = ("attention", dtype, cache_dtype, head_dim, kc.block_size_param(block_size))
         return names, self._module(key, names.attention())
 
     def _cache_ops(self, dtype: torch.dtype) -> tuple[kc.Names, _Module]:
@@ -185,9 +188,10 @@ class CupyBackend:
         return stream
 
     def _view(self, tensor: torch.Tensor) -> Any:
-        """Zero-copy CuPy view of a CUDA tensor through DLPack (bf16 as int16 bits)."""
+        """Zero-copy CuPy view of a CUDA tensor through DLPack (bf16 as int16 bits, fp8 as int8 bytes)."""
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.int16)
+        tensor = byte_view(tensor)
         return self._cupy.from_dlpack(tensor)
 
     def _cache_view(self, cache: torch.Tensor) -> Any:
@@ -266,14 +270,11 @@ class CupyBackend:
     ) -> None:
         """Scatter ``key``/``value`` rows ``[T, Hkv, D]`` into their slots; slot -1 is skipped.
 
-        An int8 cache is quantized by ``pagedkv_write_kv_int8`` (bit for bit as the reference); an fp8 cache
-        is written by the reference's op, which runs as torch kernels on the device."""
+        An 8-bit cache is quantized by ``pagedkv_write_kv_int8`` / ``pagedkv_write_kv_fp8``, bit for bit as
+        the reference."""
         self._check_cache(k_cache, v_cache)
         num_tokens = key.shape[0]
         if num_tokens == 0:
-            return
-        if is_quantized(k_cache.dtype) and k_cache.dtype != torch.int8:
-            reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
         heads, head_dim = k_cache.shape[2], key.shape[-1]
         if key.shape != (num_tokens, heads, head_dim) or value.shape != key.shape or (
@@ -283,8 +284,8 @@ class CupyBackend:
             )
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"cupy backend: {slot_mapping.shape[0]} slots for {num_tokens} tokens")
-        int8 = k_cache.dtype == torch.int8
-        if int8:  # quantized from the model's own dtype
+        quantized = is_quantized(k_cache.dtype)
+        if quantized:  # quantized from the model's own dtype
             source = key.dtype if key.dtype in kc.DTYPE_TAGS else torch.float32
             key, value = key.to(source), value.to(source)
         else:
@@ -295,7 +296,12 @@ class CupyBackend:
             value = value.contiguous()
         slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
         names, module = self._cache_ops(key.dtype)
-        name = names.write_kv_int8 if int8 else names.write_kv
+        if not quantized:
+            name = names.write_kv
+        elif k_cache.dtype == torch.int8:
+            name = names.write_kv_int8
+        else:
+            name = names.write_kv_fp8[k_cache.dtype]
         with self._cupy.cuda.Device(self.device.index), self._stream():
             args = (
                 self._view(key),
@@ -328,19 +334,26 @@ class CupyBackend:
         Sequences with one query row this step go to the decode kernel, the
         others (prefill chunks, with or without cached context) to the prefill
         kernel; the two write disjoint rows of the output. ``window``/``softcap``:
-        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset).
+        see ``AttentionBackend.attend`` (passed to the kernels as 0 when unset). An 8-bit cache (int8, fp8) is read
+        by the same kernels, dequantized in registers (one of a head_dim without a kernel by the torch
+        reference's dequantizing gather).
         """
         check_window(window)
         self._check_cache(k_cache, v_cache)
-        if is_quantized(k_cache.dtype):  # no 8-bit kernel yet: the reference dequantizes in its gather, on the GPU
+        quantized = is_quantized(k_cache.dtype)
+        if quantized and query.shape[-1] not in kc.HEAD_DIMS:
+            # a head_dim without a kernel: the reference dequantizes in its gather, on the GPU
             return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        _, block_size, num_kv_heads, width = k_cache.shape
+        head_dim = query.shape[-1]
+        if query.dim() != 3 or row_width(head_dim, k_cache.dtype) != width or query.shape[1] % num_kv_heads:
             raise ValueError(
                 f"cupy backend: query {tuple(query.shape)} does not fit a cache with "
-                f"{num_kv_heads} KV heads of dim {head_dim}"
+                f"{num_kv_heads} KV heads of {width}-element rows"
             )
-        if query.dtype != k_cache.dtype:
+        if quantized and query.dtype not in kc.DTYPE_TAGS:
+            raise ValueError(f"cupy backend: query dtype {query.dtype} is not supported")
+        if not quantized and query.dtype != k_cache.dtype:
             raise ValueError(f"cupy backend: query is {query.dtype} but the cache is {k_cache.dtype}")
         if meta.block_size != block_size:
             raise ValueError(f"cupy backend: metadata block_size {meta.block_size} != cache block size {block_size}")
@@ -350,7 +363,7 @@ class CupyBackend:
         out = torch.empty_like(q)
         if q.shape[0] == 0 or meta.num_seqs == 0:
             return out
-        names, module = self._attention(q.dtype, head_dim, block_size)
+        names, module = self._attention(q.dtype, head_dim, block_size, k_cache.dtype)
         with self._cupy.cuda.Device(self.device.index), self._stream():
             call = _Call(
                 meta=meta,

@@ -125,10 +125,10 @@ __device__ __forceinline__ float group_max(float x, int width) {
 }
 
 // Physical block id -> first element of (block, offset, kv_head) in a
-// [num_blocks, block_size, num_kv_heads, head_dim] cache; 64-bit arithmetic.
+// [num_blocks, block_size, num_kv_heads, row] cache (row: elements per row); 64-bit arithmetic.
 __device__ __forceinline__ i64 cache_offset(int block, int block_size, int offset, int num_kv_heads, int kv_head,
-                                            int head_dim) {
-    return ((static_cast<i64>(block) * block_size + offset) * num_kv_heads + kv_head) * static_cast<i64>(head_dim);
+                                            int row) {
+    return ((static_cast<i64>(block) * block_size + offset) * num_kv_heads + kv_head) * static_cast<i64>(row);
 }
 
 }  // namespace pagedkv

@@ -17,13 +17,20 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # Order matters: common.cuh is inlined where the .cu files include it.
-SOURCE_FILES = ("decode.cu", "prefill.cu", "cache_ops.cu")
+SOURCE_FILES = ("decode.cu", "prefill.cu", "cache_ops.cu", "write_kv_fp8.cu")
 
 # dtype tag in the CUDA sources for each torch dtype the engine supports.
 DTYPE_TAGS: dict[torch.dtype, str] = {
     torch.float32: "pagedkv::F32",
     torch.float16: "pagedkv::F16",
     torch.bfloat16: "pagedkv::BF16",
+}
+# Row-format tag (kv_row.cuh) of each quantized cache dtype the attention kernels read in the kernel; a cache of
+# the model dtype uses the templates' default (KvSame) and keeps the shorter names.
+KV_TAGS: dict[torch.dtype, str] = {
+    torch.int8: "pagedkv::KvInt8",
+    torch.float8_e4m3fn: "pagedkv::KvE4M3",
+    torch.float8_e5m2: "pagedkv::KvE5M2",
 }
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # Block sizes with a specialised instantiation; 0 is the generic one that reads
@@ -87,6 +94,7 @@ class Names:
     prefill: str
     write_kv: str
     write_kv_int8: str  # into an int8 cache, from key/value of this dtype
+    write_kv_fp8: dict[torch.dtype, str]  # into an fp8 cache of the key's dtype
     copy_blocks: dict[str, str]  # word type -> name
 
     def attention(self) -> list[str]:
@@ -95,26 +103,37 @@ class Names:
 
     def cache_ops(self) -> list[str]:
         """The kernels that depend on the dtype at most (any head_dim and block size)."""
-        return [self.write_kv, self.write_kv_int8, *self.copy_blocks.values()]
+        return [self.write_kv, self.write_kv_int8, *self.write_kv_fp8.values(), *self.copy_blocks.values()]
 
     def all(self) -> list[str]:
         return [*self.attention(), *self.cache_ops()]
 
 
-def names_for(dtype: torch.dtype, head_dim: int | None = None, block_size: int | None = None) -> Names:
-    """Kernels the backend launches for caches of this dtype, head dim and block size.
+def names_for(
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    block_size: int | None = None,
+    cache_dtype: torch.dtype | None = None,
+) -> Names:
+    """Kernels the backend launches for queries of ``dtype`` over caches of this head dim and block size.
 
+    ``cache_dtype``: a quantized cache's dtype (a key of ``KV_TAGS``); None for a cache of ``dtype`` itself.
     Without ``head_dim`` (and ``block_size``) only the cache-op names are meaningful.
     """
     tag = DTYPE_TAGS[dtype]
+    kv = "" if cache_dtype is None or cache_dtype == dtype else f", {KV_TAGS[cache_dtype]}"
     hd = HEAD_DIMS[0] if head_dim is None else head_dim
     bs = block_size_param(16 if block_size is None else block_size)
     return Names(
-        decode={g: f"pagedkv_decode<{tag}, {hd}, {bs}, {g}>" for g in HEAD_TILES},
+        decode={g: f"pagedkv_decode<{tag}, {hd}, {bs}, {g}{kv}>" for g in HEAD_TILES},
         reduce=f"pagedkv_decode_reduce<{tag}, {hd}>",
-        prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}>",
+        prefill=f"pagedkv_prefill<{tag}, {hd}, {bs}{kv}>",
         write_kv=f"pagedkv_write_kv<{tag}>",
         write_kv_int8=f"pagedkv_write_kv_int8<{tag}>",
+        write_kv_fp8={
+            torch.float8_e4m3fn: f"pagedkv_write_kv_fp8<{tag}, true>",
+            torch.float8_e5m2: f"pagedkv_write_kv_fp8<{tag}, false>",
+        },
         copy_blocks={word: f"pagedkv_copy_blocks<{word}>" for word, _ in COPY_WORDS},
     )
 
@@ -125,8 +144,9 @@ def all_instantiations() -> list[str]:
     for dtype in DTYPE_TAGS:
         for head_dim in HEAD_DIMS:
             for block_size in BLOCK_SIZES:
-                for name in names_for(dtype, head_dim, block_size).all():
-                    names[name] = None
+                for cache_dtype in (None, *KV_TAGS):
+                    for name in names_for(dtype, head_dim, block_size, cache_dtype).all():
+                        names[name] = None
     return list(names)
 
 

@@ -16,6 +16,7 @@
 // pagedkv_decode_reduce combines. Only tokens < seq_len are read, so the unused
 // tail of the last block (and any unused slot) never reaches the math.
 #include "common.cuh"
+#include "kv_row.cuh"
 
 namespace pagedkv {
 
@@ -36,15 +37,16 @@ struct DecodeShape {
 
 // Dynamic shared memory: G_TILE * partition_size floats (scores, then probabilities),
 // 2 * G_TILE floats (max, sum), then GROUPS / 2 * G_TILE * ELEMS * TPR floats (reduction).
-template <typename DT, int HEAD_DIM, int BLOCK_SIZE, int G_TILE>
+// KV: the cache's row format (kv_row.cuh); the lane layout follows the query dtype DT either way.
+template <typename DT, int HEAD_DIM, int BLOCK_SIZE, int G_TILE, typename KV = pagedkv::KvSame>
 __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
     typename DT::storage* __restrict__ out,          // [num_tokens, num_heads, HEAD_DIM]
     float* __restrict__ part_acc,                    // [num_seqs, num_heads, max_parts, HEAD_DIM]
     float* __restrict__ part_max,                    // [num_seqs, num_heads, max_parts]
     float* __restrict__ part_sum,                    // [num_seqs, num_heads, max_parts]
     const typename DT::storage* __restrict__ query,  // [num_tokens, num_heads, HEAD_DIM]
-    const typename DT::storage* __restrict__ k_cache,
-    const typename DT::storage* __restrict__ v_cache,
+    const typename pagedkv::KvRow<KV, DT>::storage* __restrict__ k_cache,
+    const typename pagedkv::KvRow<KV, DT>::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
     const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc,
@@ -53,6 +55,7 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
     using namespace pagedkv;
     typedef typename DT::storage T;
     typedef DecodeShape<DT, HEAD_DIM> S;
+    typedef KvRow<KV, DT> R;
     constexpr int VEC = S::VEC, TPR = S::TPR, VPT = S::VPT, ELEMS = S::ELEMS, GROUPS = S::GROUPS;
     const int block_size = BLOCK_SIZE > 0 ? BLOCK_SIZE : block_size_rt;
 
@@ -113,15 +116,17 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
         const int t = r * GROUPS + grp;
         const bool valid = t < n;
         float k[ELEMS];
+        float k_scale = 1.f;
         if (valid) {
             const int pos = start + t;
             const i64 base = cache_offset(table[pos / block_size], block_size, pos % block_size, num_kv_heads,
-                                          kv_head, HEAD_DIM);
+                                          kv_head, R::stride(HEAD_DIM));
+            k_scale = R::scale(k_cache + base, HEAD_DIM);
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
                 const int v = lane + j * TPR;
                 if (v < S::ROW_VECS) {
-                    unpack16<DT>(load16(k_cache + base + v * VEC), &k[j * VEC]);
+                    R::load(k_cache + base + v * VEC, &k[j * VEC]);
                 } else {
 #pragma unroll
                     for (int i = 0; i < VEC; ++i) k[j * VEC + i] = 0.f;
@@ -136,7 +141,7 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
             float dot = 0.f;
 #pragma unroll
             for (int i = 0; i < ELEMS; ++i) dot += q[g][i] * k[i];
-            dot = group_sum(dot, TPR);
+            dot = group_sum(dot, TPR) * k_scale;
             if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);  // q was pre-scaled: dot is the score
             if (valid && lane == 0 && g < gn) logits[g * partition_size + t] = dot;
         }
@@ -174,14 +179,15 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
     }
     for (int t = grp; t < n; t += GROUPS) {
         const int pos = start + t;
-        const i64 base =
-            cache_offset(table[pos / block_size], block_size, pos % block_size, num_kv_heads, kv_head, HEAD_DIM);
+        const i64 base = cache_offset(table[pos / block_size], block_size, pos % block_size, num_kv_heads, kv_head,
+                                      R::stride(HEAD_DIM));
+        const float v_scale = R::scale(v_cache + base, HEAD_DIM);
         float v[ELEMS];
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = lane + j * TPR;
             if (vi < S::ROW_VECS) {
-                unpack16<DT>(load16(v_cache + base + vi * VEC), &v[j * VEC]);
+                R::load(v_cache + base + vi * VEC, &v[j * VEC]);
             } else {
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) v[j * VEC + i] = 0.f;
@@ -190,7 +196,7 @@ __global__ void __launch_bounds__(pagedkv::DECODE_THREADS) pagedkv_decode(
 #pragma unroll
         for (int g = 0; g < G_TILE; ++g) {
             if (g < gn) {
-                const float p = logits[g * partition_size + t];
+                const float p = logits[g * partition_size + t] * v_scale;
 #pragma unroll
                 for (int i = 0; i < ELEMS; ++i) acc[g][i] += p * v[i];
             }

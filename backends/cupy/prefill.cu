@@ -13,6 +13,7 @@
 // last needed position are never loaded (their shared rows are zero-filled), so
 // unused cache slots cannot leak into the output.
 #include "common.cuh"
+#include "kv_row.cuh"
 
 namespace pagedkv {
 
@@ -38,12 +39,13 @@ struct PrefillShape {
 
 // Static shared memory only (at most QM*LD + BN*LD + QM*LDP floats, < 48 KiB for head_dim <= 256).
 // Sequences with fewer than min_query_len query rows are left to the decode kernel.
-template <typename DT, int HEAD_DIM, int BLOCK_SIZE>
+// KV: the cache's row format (kv_row.cuh); an 8-bit row is scaled as it enters shared memory.
+template <typename DT, int HEAD_DIM, int BLOCK_SIZE, typename KV = pagedkv::KvSame>
 __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
     typename DT::storage* __restrict__ out,          // [num_tokens, num_heads, HEAD_DIM]
     const typename DT::storage* __restrict__ query,  // [num_tokens, num_heads, HEAD_DIM]
-    const typename DT::storage* __restrict__ k_cache,
-    const typename DT::storage* __restrict__ v_cache,
+    const typename pagedkv::KvRow<KV, DT>::storage* __restrict__ k_cache,
+    const typename pagedkv::KvRow<KV, DT>::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
     const int* __restrict__ seq_lens,
     const int* __restrict__ context_lens,
@@ -53,6 +55,7 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
     using namespace pagedkv;
     typedef typename DT::storage T;
     typedef PrefillShape<DT, HEAD_DIM> S;
+    typedef KvRow<KV, DT> R;
     constexpr int VEC = S::VEC, QM = S::QM, BN = S::BN, TPI = S::TPI, KPT = S::KPT, DPT = S::DPT, LD = S::LD;
     constexpr int LDP = S::LDP;
     const int block_size = BLOCK_SIZE > 0 ? BLOCK_SIZE : block_size_rt;
@@ -118,16 +121,18 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
             const int vi = e % S::ROW_VECS;
             const int pos = k0 + kk;
             float f[VEC];
+            float row_scale = 1.f;
             if (pos < kv_end) {
                 const i64 base = cache_offset(table[pos / block_size], block_size, pos % block_size, num_kv_heads,
-                                              kv_head, HEAD_DIM);
-                unpack16<DT>(load16(k_cache + base + vi * VEC), f);
+                                              kv_head, R::stride(HEAD_DIM));
+                R::load(k_cache + base + vi * VEC, f);
+                row_scale = R::scale(k_cache + base, HEAD_DIM);
             } else {
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) f[i] = 0.f;
             }
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) kv_s[kk * LD + vi * VEC + i] = f[i];
+            for (int i = 0; i < VEC; ++i) kv_s[kk * LD + vi * VEC + i] = f[i] * row_scale;
         }
         __syncthreads();
 
@@ -169,16 +174,18 @@ __global__ void __launch_bounds__(pagedkv::PREFILL_THREADS) pagedkv_prefill(
             const int vi = e % S::ROW_VECS;
             const int pos = k0 + kk;
             float f[VEC];
+            float row_scale = 1.f;
             if (pos < kv_end) {
                 const i64 base = cache_offset(table[pos / block_size], block_size, pos % block_size, num_kv_heads,
-                                              kv_head, HEAD_DIM);
-                unpack16<DT>(load16(v_cache + base + vi * VEC), f);
+                                              kv_head, R::stride(HEAD_DIM));
+                R::load(v_cache + base + vi * VEC, f);
+                row_scale = R::scale(v_cache + base, HEAD_DIM);
             } else {
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) f[i] = 0.f;
             }
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) kv_s[kk * LD + vi * VEC + i] = f[i];
+            for (int i = 0; i < VEC; ++i) kv_s[kk * LD + vi * VEC + i] = f[i] * row_scale;
         }
         __syncthreads();
 

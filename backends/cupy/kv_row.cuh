@@ -1,0 +1,108 @@
+// The KV cache row formats the attention kernels read, as a template tag.
+//
+// KvSame: the cache holds the model dtype DT, head_dim values per (token, KV
+// head) row, 16-byte aligned. KvInt8 (--kv-cache-dtype int8, core/kv/kv_dtype.py):
+// head_dim int8 values, then the row's scale (KvE4M3 / KvE5M2: fp8 values, the
+// same scale). The kernels widen the 8-bit values to float in registers and
+// apply the scale once per row (to the K row's dot product, to the V row's
+// probability), so the dequantized cache never exists in memory. An 8-bit row is only as aligned as its byte stride, so it is read
+// byte by byte; the row stride and the scale are read only through
+// kv_row_bytes and kv_row_scale (and made and written only through
+// kv_make_scale and kv_store_scale), the places that know the scale's encoding.
+#pragma once
+#include "common.cuh"
+
+namespace pagedkv {
+
+// Bytes per (token, KV head) row of an 8-bit cache: the values, then a bfloat16 scale.
+__device__ __forceinline__ int kv_row_bytes(int head_dim) { return head_dim + 2; }
+
+// The scale of one 8-bit row (little-endian bfloat16 after the values; read bytewise, any alignment).
+__device__ __forceinline__ float kv_row_scale(const signed char* row, int head_dim) {
+    const unsigned int lo = static_cast<unsigned char>(row[head_dim]);
+    const unsigned int hi = static_cast<unsigned char>(row[head_dim + 1]);
+    return __uint_as_float((lo | (hi << 8)) << 16);
+}
+
+// fp8 bytes as float, exactly. e5m2 is the high byte of an fp16; e4m3 (no infinities, S.1111.111 is NaN)
+// is rebuilt bit by bit: a normal's exponent rebiased from 7 to 127, a subnormal as mantissa * 2^-9.
+__device__ __forceinline__ float fp8_e5m2_to_float(unsigned char b) {
+    return F16::to_float(static_cast<unsigned short>(static_cast<unsigned short>(b) << 8));
+}
+
+__device__ __forceinline__ float fp8_e4m3_to_float(unsigned char b) {
+    const unsigned int sign = static_cast<unsigned int>(b & 0x80u) << 24;
+    const unsigned int exp = (b >> 3) & 0xfu;
+    const unsigned int man = b & 0x7u;
+    if (exp == 0xfu && man == 0x7u) return __uint_as_float(sign | 0x7fc00000u);
+    if (exp == 0u) return __uint_as_float(sign | __float_as_uint(static_cast<float>(man) * 0.001953125f));
+    return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// The scale of a row whose largest magnitude is amax, for an 8-bit format whose largest value is qmax:
+// bf16_rne(amax / qmax), 0 for a zero row.
+__device__ __forceinline__ float kv_make_scale(float amax, float qmax) {
+    unsigned int bits = __float_as_uint(amax / qmax);
+    bits = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
+    return __uint_as_float(bits);
+}
+
+// Store a scale made by kv_make_scale after the row's head_dim values (bytewise, any alignment).
+__device__ __forceinline__ void kv_store_scale(signed char* row, int head_dim, float scale) {
+    const unsigned int bits = __float_as_uint(scale) >> 16;
+    row[head_dim] = static_cast<signed char>(bits & 0xffu);
+    row[head_dim + 1] = static_cast<signed char>(bits >> 8);
+}
+
+struct KvSame {};
+struct KvInt8 {};
+struct KvE4M3 {};
+struct KvE5M2 {};
+
+template <typename KV, typename DT>
+struct KvRow;
+
+template <typename DT>
+struct KvRow<KvSame, DT> {
+    typedef typename DT::storage storage;
+    static __device__ __forceinline__ int stride(int head_dim) { return head_dim; }
+    static __device__ __forceinline__ float scale(const storage*, int) { return 1.f; }
+    // Vec<DT>::N values starting at p (16-byte aligned).
+    static __device__ __forceinline__ void load(const storage* p, float* out) { unpack16<DT>(load16(p), out); }
+};
+
+template <typename DT>
+struct KvRow<KvInt8, DT> {
+    typedef signed char storage;
+    static __device__ __forceinline__ int stride(int head_dim) { return kv_row_bytes(head_dim); }
+    static __device__ __forceinline__ float scale(const storage* row, int head_dim) {
+        return kv_row_scale(row, head_dim);
+    }
+    // Vec<DT>::N raw int8 values starting at p, unscaled.
+    static __device__ __forceinline__ void load(const storage* p, float* out) {
+#pragma unroll
+        for (int i = 0; i < Vec<DT>::N; ++i) out[i] = static_cast<float>(p[i]);
+    }
+};
+
+// fp8 rows: the same layout and scale as int8, each value one fp8 byte.
+template <typename DT, bool E4M3>
+struct KvFp8Row {
+    typedef unsigned char storage;
+    static __device__ __forceinline__ int stride(int head_dim) { return kv_row_bytes(head_dim); }
+    static __device__ __forceinline__ float scale(const storage* row, int head_dim) {
+        return kv_row_scale(reinterpret_cast<const signed char*>(row), head_dim);
+    }
+    static __device__ __forceinline__ void load(const storage* p, float* out) {
+#pragma unroll
+        for (int i = 0; i < Vec<DT>::N; ++i) out[i] = E4M3 ? fp8_e4m3_to_float(p[i]) : fp8_e5m2_to_float(p[i]);
+    }
+};
+
+template <typename DT>
+struct KvRow<KvE4M3, DT> : KvFp8Row<DT, true> {};
+
+template <typename DT>
+struct KvRow<KvE5M2, DT> : KvFp8Row<DT, false> {};
+
+}  // namespace pagedkv
