@@ -49,6 +49,8 @@ def test_write_kv_quantizes_each_row_into_its_slot_and_skips_minus_one(kv_dtype,
     spec = KVCacheSpec(1, 2, 8, block_size, kv_dtype)
     [(k_cache, v_cache)] = allocate_kv_caches(spec, 4, "cpu")
     assert k_cache.shape == (4, block_size, 2, 10) and k_cache.dtype == kv_dtype
+    byte_view(k_cache).fill_(85)  # the cache is allocated uninitialised: mark every slot to see which are written
+    byte_view(v_cache).fill_(85)
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     slots = torch.tensor([3, -1, 2])
     write_kv(key, value, k_cache, v_cache, slots)
@@ -56,7 +58,7 @@ def test_write_kv_quantizes_each_row_into_its_slot_and_skips_minus_one(kv_dtype,
     assert torch.equal(flat_k[3], byte_view(quantize_rows(key[0], kv_dtype)))
     assert torch.equal(flat_v[2], byte_view(quantize_rows(value[2], kv_dtype)))
     untouched = [s for s in range(4 * block_size) if s not in (2, 3)]
-    assert flat_k[untouched].eq(0).all() and flat_v[untouched].eq(0).all()
+    assert flat_k[untouched].eq(85).all() and flat_v[untouched].eq(85).all()
 
 
 def _check(backend, seq_lens, query_lens, block_size, kv_dtype, tol=2e-5, window=None, softcap=None, **kw):
