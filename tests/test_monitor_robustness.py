@@ -101,12 +101,7 @@ def test_in_a_terminal_sigterm_ends_the_monitor_promptly():
         else:
             pytest.fail("the monitor was still running 5 s after SIGTERM")
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _reap(pty_child=pid, fd=fd)
 
 
 def test_in_a_terminal_q_quits_a_replay_with_status_0_and_no_traceback(tmp_path):
@@ -141,9 +136,14 @@ def test_in_a_terminal_q_quits_a_replay_with_status_0_and_no_traceback(tmp_path)
         assert b"Traceback" not in out, out[-2000:].decode(errors="replace")
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _reap(pty_child=pid, fd=fd)
+
+
+def _reap(pty_child: int, fd: int) -> None:
+    """Kill a ``pty.fork`` child that may still run (or be gone already) and close its terminal."""
+    try:
+        os.kill(pty_child, signal.SIGKILL)
+        os.waitpid(pty_child, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    os.close(fd)
