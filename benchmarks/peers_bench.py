@@ -44,6 +44,7 @@ class Server:
     env: dict[str, str]
     missing: str = ""  # why it cannot run here ("" = it can)
     ready_timeout: float = 600.0
+    replicas: int = 1  # > 1: that many copies of ``command`` on consecutive ports, requests dealt round-robin
 
 
 def peer_servers(names: list[str], port: int, threads: int) -> list[Server]:
@@ -75,11 +76,28 @@ def peer_servers(names: list[str], port: int, threads: int) -> list[Server]:
     return servers
 
 
-def pagedkv_servers(backends: list[str], port: int, threads: int) -> list[Server]:
+def pagedkv_servers(backends: list[str], port: int, threads: int, replicas: list[int]) -> list[Server]:
+    """One server per backend, and per replica count N > 1 N independent servers of ``threads // N`` threads
+    each: what data-parallel replicas behind one endpoint would give, without the router."""
     exe = str(ROOT / ".venv" / "bin" / "engine")
-    return [Server(f"pagedkv-{b}", [exe, "serve", "--port", str(port), "--backend", b, "--threads", str(threads),
-                                    "--log-level", "warning"], {})
-            for b in backends]
+    servers = []
+    for b in backends:
+        for n in replicas:
+            label = f"pagedkv-{b}" if n == 1 else f"pagedkv-{b}-dp{n}x{max(1, threads // n)}t"
+            servers.append(Server(label, [exe, "serve", "--port", str(port), "--backend", b, "--threads",
+                                          str(max(1, threads // n)), "--log-level", "warning"], {}, replicas=n))
+    return servers
+
+
+def start(server: Server, port: int) -> list[tuple[str, subprocess.Popen]]:
+    """``server``'s processes (one per replica, on ports ``port``, ``port + 1``...) with their URLs."""
+    started = []
+    for i in range(server.replicas):
+        command = [str(port + i) if arg == str(port) else arg for arg in server.command]
+        proc = subprocess.Popen(command, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        started.append((f"http://127.0.0.1:{port + i}", proc))
+    return started
 
 
 def _model_dir() -> str:
@@ -90,22 +108,23 @@ def _model_dir() -> str:
 
 def measure(server: Server, port: int, counts: list[int], args: argparse.Namespace) -> list[dict]:
     """Start ``server``, run every request count once (after a two-request warm-up), stop it."""
-    url = f"http://127.0.0.1:{port}"
     load = os.getloadavg()[0]
-    proc = subprocess.Popen(server.command, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    started = start(server, port)
+    urls = [url for url, _ in started]
     rows = []
     try:
-        wait_ready(url, proc, server.ready_timeout)
-        asyncio.run(run_workload(url, workload(2, math.inf, 4, 4, args.seed + 99), args.timeout))
+        for url, proc in started:
+            wait_ready(url, proc, server.ready_timeout)
+        asyncio.run(run_workload(urls, workload(2 * len(urls), math.inf, 4, 4, args.seed + 99), args.timeout))
         for n in counts:
             requests = workload(n, math.inf, args.min_output, args.max_output, args.seed)
-            summary = asyncio.run(run_workload(url, requests, args.timeout))
+            summary = asyncio.run(run_workload(urls, requests, args.timeout))
             rows.append({"server": server.label, "requests": n, "load": load, **summary})
             print(f"  {server.label:<16} {n:>4} chats: {summary['output_tok_per_s']:7.1f} tok/s, TTFT p99 "
                   f"{summary['ttft_p99_s']:.2f} s, ok {summary['ok']}/{n}, load before {load:.1f}", flush=True)
     finally:
-        stop(proc)
+        for _, proc in started:
+            stop(proc)
     return rows
 
 
@@ -142,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, action="append", default=None, help="chats sent at once")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--pagedkv-replicas", default="1", help="comma list of replica counts N: N pagedkv "
+                        "servers of threads/N threads each, requests dealt round-robin (data-parallel estimate)")
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -150,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = args.num_requests or [32]
     peers = peer_servers([p for p in args.peers.split(",") if p], args.port, args.threads)
-    servers = peers + pagedkv_servers([b for b in args.pagedkv.split(",") if b], args.port, args.threads)
+    replicas = [int(n) for n in args.pagedkv_replicas.split(",") if n]
+    servers = peers + pagedkv_servers([b for b in args.pagedkv.split(",") if b], args.port, args.threads, replicas)
     for s in servers:
         if s.missing:
             print(f"skipping {s.label}: {s.missing}")

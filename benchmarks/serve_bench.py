@@ -126,13 +126,16 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def run_workload(url: str, requests: list[Request], timeout: float) -> dict[str, Any]:
+async def run_workload(url: str | list[str], requests: list[Request], timeout: float) -> dict[str, Any]:
+    """Send ``requests`` (request i to ``urls[i % len(urls)]`` when given several servers) and summarise."""
     import httpx
 
+    urls = [url] if isinstance(url, str) else list(url)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as client:
-        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        model = (await client.get(urls[0] + "/v1/models")).json()["data"][0]["id"]
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, url, model, r, start) for r in requests))
+        results = await asyncio.gather(*(one(client, urls[i % len(urls)], model, r, start)
+                                         for i, r in enumerate(requests)))
         elapsed = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
