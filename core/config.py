@@ -107,6 +107,7 @@ class EngineConfig:
 
     model: str | None = None
     revision: str | None = None  # of a hub id in the local Hugging Face cache
+    model_impl: str = "auto"  # auto (pagedkv's Llama where it is exact, else transformers), pagedkv, transformers
     backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
     allocator: str = "paged"
     scheduler: str = "fcfs"
@@ -177,5 +178,10 @@ class EngineConfig:
                 raise ConfigError("swap_space must be >= 0 bytes")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        from pagedkv.core.model.native_config import parse_model_impl
+
+        self.model_impl = parse_model_impl(self.model_impl)
+        if self.model_impl == "pagedkv" and self.tensor_parallel_size > 1:
+            raise ConfigError("model_impl pagedkv runs on one device; tensor parallelism uses transformers' model")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")
