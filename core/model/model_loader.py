@@ -162,8 +162,9 @@ def load_model(
     """
     with phase("model resolved"):
         path = resolve_model_dir(model, revision)
-    hf_model = None
+    hf_model = tokenizer = None
     if model_impl != "transformers":
+        from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
         from pagedkv.core.model.native_loader import native_reason, try_native
 
         if model_impl == "pagedkv" and (reason := native_reason(path)) is not None:
@@ -171,6 +172,11 @@ def load_model(
                               "transformers")
         with phase("weights loaded (pagedkv's Llama)"):
             hf_model = try_native(path, dtype, device)
+        if hf_model is not None and fast_tokenizer_problem(path) is None:
+            with phase("tokenizer loaded (tokenizers)"):
+                tokenizer = FastTokenizer(path)
+    if hf_model is not None and tokenizer is not None:
+        return hf_model, tokenizer, path
     with phase("transformers imported"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
