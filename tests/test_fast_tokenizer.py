@@ -119,8 +119,9 @@ def test_rare_paths_delegate_to_transformers(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path)
     ours, theirs = FastTokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     chat = CHATS[2]
-    assert ours.apply_chat_template(chat, continue_final_message=True, tokenize=False) == \
-        theirs.apply_chat_template(chat, continue_final_message=True, tokenize=False)
+    for cont in (True, False):  # False (what the server passes) is rendered natively, True by transformers
+        assert ours.apply_chat_template(chat, continue_final_message=cont, tokenize=False, documents=None) == \
+            theirs.apply_chat_template(chat, continue_final_message=cont, tokenize=False, documents=None)
     assert ours(["a", "b"])["input_ids"] == theirs(["a", "b"])["input_ids"]
     assert ours.convert_tokens_to_ids("a") == theirs.convert_tokens_to_ids("a")  # not native: delegated
     out = tmp_path / "saved"
@@ -145,7 +146,8 @@ def test_native_paths_import_no_transformers(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path)
     code = ("import sys, pathlib; from pagedkv.core.model.fast_tokenizer import FastTokenizer; "
             f"t = FastTokenizer(pathlib.Path({str(tmp_path)!r})); ids = t('héllo')['input_ids']; t.decode(ids); "
-            "t.apply_chat_template([{'role': 'user', 'content': 'x'}], add_generation_prompt=True, tokenize=False); "
+            "t.apply_chat_template([{'role': 'user', 'content': 'x'}], add_generation_prompt=True, tokenize=False, "
+            "continue_final_message=False, documents=None); "
             "t.convert_ids_to_tokens(ids); t.eos_token_id; __import__('copy').deepcopy(t); "
             "print(sorted(k for k in sys.modules if k.split('.')[0] == 'transformers'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)

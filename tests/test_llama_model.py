@@ -195,3 +195,20 @@ def test_generation_config_read_without_transformers(tmp_path):
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_blocks=16, block_size=BLOCK))
     assert isinstance(engine.model, NativeLlama)
     assert engine.eos_token_ids == frozenset({5, 7})
+
+
+def test_mmap_reader_matches_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from pagedkv.core.model.safetensors_mmap import read_safetensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.zeros(0, 4),
+               "d": torch.randn(2, 2, 2).to(torch.float16)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    ours, theirs = read_safetensors(tmp_path / "x.safetensors"), load_file(tmp_path / "x.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name])
+    save_file({"ids": torch.arange(4)}, tmp_path / "int.safetensors")
+    with pytest.raises(ValueError, match="I64"):
+        read_safetensors(tmp_path / "int.safetensors")

@@ -103,6 +103,8 @@ def compiled(template: str) -> Any:
 def render_chat(template: str, conversation: Any, tools: Any, add_generation_prompt: bool,
                 variables: dict[str, Any]) -> str | None:
     """The rendered text, or None when transformers must render this call (see the module docstring)."""
+    # apply_chat_template's own parameters at their defaults (all falsy) change nothing: not template variables
+    variables = {k: v for k, v in variables.items() if k not in _TRANSFORMERS_ONLY or v}
     if (_TRANSFORMERS_ONLY & set(variables) or type(conversation) is not list or not conversation
             or any(type(m) is not dict for m in conversation) or not _plain(conversation)
             or not (tools is None or (type(tools) is list and all(type(t) is dict for t in tools) and _plain(tools)))

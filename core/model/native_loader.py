@@ -1,9 +1,10 @@
 """Load a whitelisted Llama checkpoint into pagedkv's own module, reading safetensors directly.
 
 The module is built on the meta device (no random initialisation of weights about to be
-replaced), then every parameter is assigned the checkpoint's tensor of the same name, cast to
-the engine's dtype as transformers casts it. A checkpoint with a missing, extra or misshapen
-tensor is refused (:class:`NativeLoadError`), and the caller falls back to transformers.
+replaced), then every parameter is assigned the checkpoint's tensor of the same name (a view of
+the file's memory map: :mod:`.safetensors_mmap`), cast to the engine's dtype as transformers casts
+it. A checkpoint with a missing, extra or misshapen tensor is refused (:class:`NativeLoadError`), and
+the caller falls back to transformers.
 """
 
 from __future__ import annotations
@@ -44,13 +45,11 @@ def _shards(path: Path) -> list[Path]:
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from pagedkv.core.model.safetensors_mmap import read_safetensors
 
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(path):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = f.get_tensor(name)
+        tensors.update(read_safetensors(shard))
     return tensors
 
 
