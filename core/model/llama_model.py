@@ -42,8 +42,9 @@ class RMSNorm(nn.Module):
 
 
 def rotary_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """The default rotary embedding's inverse frequencies, float32 (as transformers builds them)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    """The default rotary embedding's inverse frequencies, float32 (as transformers builds them), on the CPU
+    even under a ``torch.device("meta")`` block (a meta ``arange`` imports torch._dynamo: seconds)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,10 @@ class LlamaBody(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit (uninitialised) weight: a random normal_ on the meta device imports torch's reference
+        # ops (seconds), and the checkpoint replaces the weight anyway
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

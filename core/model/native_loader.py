@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.model.llama_model import LlamaForCausalLM, rotary_inv_freq
+from pagedkv.core.model.llama_model import LlamaForCausalLM
 from pagedkv.core.model.native_config import GenerationDefaults, native_config, native_problem, read_json
 
 log = logging.getLogger("pagedkv.model")
@@ -76,7 +76,7 @@ def load_native_llama(path: Path, dtype: torch.dtype, device: str) -> LlamaForCa
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rotary_inv_freq(config.rope_parameters["rope_theta"], config.head_dim).to(device)
+    model.inv_freq = model.inv_freq.to(device)
     return model.eval()
 
 
