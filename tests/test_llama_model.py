@@ -212,3 +212,17 @@ def test_mmap_reader_matches_safetensors(tmp_path):
     save_file({"ids": torch.arange(4)}, tmp_path / "int.safetensors")
     with pytest.raises(ValueError, match="I64"):
         read_safetensors(tmp_path / "int.safetensors")
+
+
+@pytest.mark.parametrize("values", [{"eos_token_id": 3}, {"temperature": 0.7, "top_k": 50, "max_new_tokens": 9}])
+def test_generation_defaults_as_transformers(tmp_path, values):
+    from transformers import AutoModelForCausalLM
+
+    from pagedkv.core.model.native_loader import load_native_llama
+    from pagedkv.serve.generation_defaults import sampling_defaults
+
+    path = save_tiny(tmp_path)
+    (path / "generation_config.json").write_text(json.dumps(values))
+    ours = load_native_llama(path, torch.float32, "cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert sampling_defaults("auto", ours) == sampling_defaults("auto", theirs)
