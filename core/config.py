@@ -96,6 +96,18 @@ _SIZE_UNITS = {  # longest suffixes first; a bare K/M/G/T is binary
 }
 
 
+MODEL_IMPLS = ("auto", "pagedkv", "transformers")
+
+
+def parse_model_impl(value: str | None) -> str:
+    """``model_impl`` as one of :data:`MODEL_IMPLS`; ``vllm`` (vLLM's name for its own code) is ours here."""
+    name = str(value or "auto").lower()
+    name = "pagedkv" if name == "vllm" else name
+    if name not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl must be one of auto, pagedkv (alias vllm), transformers; got {value!r}")
+    return name
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know, checked once here.
@@ -178,8 +190,6 @@ class EngineConfig:
                 raise ConfigError("swap_space must be >= 0 bytes")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        from pagedkv.core.model.native_config import parse_model_impl
-
         self.model_impl = parse_model_impl(self.model_impl)
         if self.model_impl == "pagedkv" and self.tensor_parallel_size > 1:
             raise ConfigError("model_impl pagedkv runs on one device; tensor parallelism uses transformers' model")

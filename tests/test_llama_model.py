@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import drain, hf_greedy, random_prompts
-from pagedkv.core.config import EngineConfig
+from pagedkv.core.config import EngineConfig, parse_model_impl
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_runner import StepBatch
-from pagedkv.core.model.native_config import native_problem, parse_model_impl
+from pagedkv.core.model.native_config import native_problem
 from pagedkv.core.sample.sampling_params import SamplingParams
 
 BLOCK = 4

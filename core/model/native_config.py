@@ -13,9 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-MODEL_IMPLS = ("auto", "pagedkv", "transformers")
-_ALIASES = {"vllm": "pagedkv"}
-
 # Keys that do not change what the forward computes (ids, bookkeeping, training-only settings).
 _INERT_KEYS = frozenset({
     "_name_or_path", "_model_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
@@ -31,16 +28,6 @@ _MATH_DEFAULTS: dict[str, Any] = {
     "rope_theta": None, "rope_parameters": None, "rope_scaling": None,
 }
 _DEFAULT_THETA = 10_000.0
-
-
-def parse_model_impl(value: str | None) -> str:
-    """``--model-impl`` as one of :data:`MODEL_IMPLS` (``vllm`` is vLLM's name for its own: ours here)."""
-    name = _ALIASES.get(str(value or "auto").lower(), str(value or "auto").lower())
-    if name not in MODEL_IMPLS:
-        from pagedkv.core.errors import ConfigError
-
-        raise ConfigError(f"model_impl must be one of auto, pagedkv (alias vllm), transformers; got {value!r}")
-    return name
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
