@@ -152,3 +152,24 @@ def test_native_paths_import_no_transformers(tmp_path):
             "print(sorted(k for k in sys.modules if k.split('.')[0] == 'transformers'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_structured_outputs_on_the_native_path(tmp_path):
+    pytest.importorskip("llguidance")
+    from test_llama_model import save_tiny
+
+    from conftest import drain
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.sample.structured_output import StructuredOutputs
+
+    engine = Engine(EngineConfig(model=str(save_tiny(tmp_path)), device="cpu", num_blocks=64, block_size=4))
+    assert isinstance(engine.tokenizer, FastTokenizer)
+    choices = ["yes", "no", "maybe"]
+    ids = [engine.add_request("Answer: ", SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                                                         structured=StructuredOutputs(choice=choices)))
+           for s in range(4)]
+    outputs, _ = drain(engine)
+    assert all(outputs[i].outputs[0].text in choices for i in ids)
+    assert engine.pool.num_used == 0
