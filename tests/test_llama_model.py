@@ -226,3 +226,19 @@ def test_generation_defaults_as_transformers(tmp_path, values):
     ours = load_native_llama(path, torch.float32, "cpu")
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert sampling_defaults("auto", ours) == sampling_defaults("auto", theirs)
+
+
+def test_plain_forward_without_a_step_matches_transformers(tmp_path):
+    """The forward GPU memory profiling runs (no KV cache, causal SDPA) computes transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedkv.core.model.native_loader import load_native_llama
+
+    path = save_tiny(tmp_path, **CONFIGS["head_dim_24_mha_untied"])
+    ours = load_native_llama(path, torch.float32, "cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 3, 99, 250, 1, 42]])
+    with torch.inference_mode():
+        a = ours(input_ids=ids, use_cache=False).logits
+        b = theirs(input_ids=ids, use_cache=False).logits
+    assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
