@@ -15,9 +15,9 @@ from pagedkv.testing import BYTE_CHAT_TEMPLATE
 
 TEXTS = ["", "hi", " hello  world ", "The capital of France is", "naïve café — 東京 🎉 안녕하세요",
          "<|im_start|>user\nhi<|im_end|>", "line\n\n\ttab", "  ", "<|endoftext|> end", "a" * 300]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in <city> & \"quotes\"",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in <city> & \"quotes\", café 東京",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CHATS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
