@@ -164,6 +164,15 @@ def test_default_is_native_and_flag_names(tmp_path):
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_blocks=16, block_size=BLOCK))
     assert isinstance(engine.model, NativeLlama)
     assert parse_model_impl("vllm") == "pagedkv" and parse_model_impl(None) == "auto"
+    from pagedkv.cli.engine_args import engine_config
+    from pagedkv.cli.main import build_parser
+    from pagedkv.core.llm import LLM
+
+    for command in ("run", "serve"):
+        args = build_parser().parse_args([command, "--model-impl", "vllm", "--device", "cpu"])
+        assert engine_config(args).model_impl == "pagedkv"
+    llm = LLM(str(path), model_impl="transformers", device="cpu", num_blocks=16, block_size=BLOCK)
+    assert not isinstance(llm.engine.model, NativeLlama)
     with pytest.raises(ConfigError, match="model_impl"):
         EngineConfig(model_impl="jax")
 
