@@ -187,6 +187,10 @@ def test_missing_tensor_falls_back(tmp_path):
     from pagedkv.core.model.native_loader import try_native
 
     assert try_native(path, torch.float32, "cpu") is None
+    with pytest.raises(ConfigError, match="cannot read the weights"):
+        Engine(EngineConfig(model=str(path), model_impl="pagedkv", device="cpu", num_blocks=16))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_blocks=16))  # auto: transformers loads it
+    assert not isinstance(engine.model, NativeLlama)
 
 
 def test_native_load_imports_no_transformers(tmp_path):

@@ -172,6 +172,9 @@ def load_model(
                               "transformers")
         with phase("weights loaded (pagedkv's Llama)"):
             hf_model = try_native(path, dtype, device)
+        if hf_model is None and model_impl == "pagedkv":
+            raise ConfigError(f"--model-impl pagedkv cannot read the weights in {path} (--log-level debug says "
+                              "why); use --model-impl auto or transformers")
         if hf_model is not None and fast_tokenizer_problem(path) is None:
             with phase("tokenizer loaded (tokenizers)"):
                 tokenizer = FastTokenizer(path)
