@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -175,9 +176,12 @@ def load_model(
         if hf_model is None and model_impl == "pagedkv":
             raise ConfigError(f"--model-impl pagedkv cannot read the weights in {path} (--log-level debug says "
                               "why); use --model-impl auto or transformers")
-        if hf_model is not None and fast_tokenizer_problem(path) is None:
+        problem = fast_tokenizer_problem(path) if hf_model is not None else "the model loads with transformers"
+        if problem is None:
             with phase("tokenizer loaded (tokenizers)"):
                 tokenizer = FastTokenizer(path)
+        else:
+            logging.getLogger("pagedkv.model").debug("pagedkv: transformers' tokenizer for %s: %s", path, problem)
     if hf_model is not None and tokenizer is not None:
         return hf_model, tokenizer, path
     with phase("transformers imported"):
