@@ -127,6 +127,7 @@ def test_smollm2_bit_identical_and_greedy(smollm2_dir, smollm2):
     outputs, _ = drain(ours)
     assert outputs[rid].outputs[0].token_ids == hf_greedy(reference, prompt, 10)
     assert ours.eos_token_ids == frozenset({2})
+    assert ours.model.config._name_or_path == reference.config._name_or_path == str(smollm2_dir)
 
 
 @pytest.mark.parametrize("change, why", [

@@ -56,6 +56,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def load_native_llama(path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     """pagedkv's Llama for the checkpoint in ``path``, on ``device`` in ``dtype``, in eval mode."""
     config = native_config(read_json(path / "config.json") or {})
+    config._name_or_path = str(path)  # as transformers sets it (telemetry names the model by it)
     generation = read_json(path / "generation_config.json")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, GenerationDefaults(generation) if generation is not None else None)
