@@ -89,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
       help="local HF model dir, .gguf, or cached hub id org/name (default: the bundled SmolLM2-135M-Instruct, "
       "a Q4_1 GGUF de-quantized on load)%(default).0s")
     a("--revision", default=None, help="branch, tag or commit of a cached hub model (default: %(default)s)")
+    a("--model-impl", default="auto", choices=["auto", "pagedkv", "vllm", "transformers"],
+      help="model code: auto (pagedkv's own Llama where it computes exactly what transformers does, else "
+      "transformers), pagedkv (alias vllm), or transformers (default: %(default)s)")
     a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy "
       "(default: %(default)s)")
     a("--allocator", default="paged", help="block allocator: paged, or static (baseline) (default: %(default)s)")
@@ -155,7 +158,8 @@ def engine_config(args: argparse.Namespace) -> Any:
     for plugin, key, value in args.plugin_option or ():
         options.setdefault(plugin, {})[key] = value
     return EngineConfig(
-        model=args.model, revision=args.revision, backend=args.backend, allocator=args.allocator,
+        model=args.model, revision=args.revision, model_impl=args.model_impl, backend=args.backend,
+        allocator=args.allocator,
         scheduler=args.scheduler or args.scheduling_policy or "fcfs", block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,

@@ -287,5 +287,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def entry() -> None:
+    """The ``engine`` console script: :func:`main`, then an exit without the interpreter's teardown.
+
+    Tearing down torch's thousands of modules and C++ state took 1.5-1.9 s after ``engine run`` had
+    printed everything (issue 26), time in which the shell waits for nothing. The exit handlers still
+    run (logging, telemetry files, plugins', tensor-parallel workers'), and both streams are flushed;
+    only the module teardown is skipped. An exception leaves through the normal path (its traceback).
+    """
+    import atexit
+    import os
+
+    code = main()
+    atexit._run_exitfuncs()  # what a normal exit runs first, in the same order
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (engine run | head): nothing left to deliver
+            pass
+    os._exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -96,6 +96,18 @@ _SIZE_UNITS = {  # longest suffixes first; a bare K/M/G/T is binary
 }
 
 
+MODEL_IMPLS = ("auto", "pagedkv", "transformers")
+
+
+def parse_model_impl(value: str | None) -> str:
+    """``model_impl`` as one of :data:`MODEL_IMPLS`; ``vllm`` (vLLM's name for its own code) is ours here."""
+    name = str(value or "auto").lower()
+    name = "pagedkv" if name == "vllm" else name
+    if name not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl must be one of auto, pagedkv (alias vllm), transformers; got {value!r}")
+    return name
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know, checked once here.
@@ -107,6 +119,7 @@ class EngineConfig:
 
     model: str | None = None
     revision: str | None = None  # of a hub id in the local Hugging Face cache
+    model_impl: str = "auto"  # auto (pagedkv's Llama where it is exact, else transformers), pagedkv, transformers
     backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
     allocator: str = "paged"
     scheduler: str = "fcfs"
@@ -177,5 +190,8 @@ class EngineConfig:
                 raise ConfigError("swap_space must be >= 0 bytes")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        self.model_impl = parse_model_impl(self.model_impl)
+        if self.model_impl == "pagedkv" and self.tensor_parallel_size > 1:
+            raise ConfigError("model_impl pagedkv runs on one device; tensor parallelism uses transformers' model")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")

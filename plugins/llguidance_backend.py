@@ -70,7 +70,10 @@ class GuidanceBackend:
         if eos is None and getattr(tokenizer, "eos_token_id", None) is None:
             raise GrammarError("structured outputs need an end-of-sequence token, and this model has none")
         try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+            # pagedkv's FastTokenizer hands over the transformers tokenizer of the same files (llguidance reads
+            # transformers' class); loaded here, on the compile thread, not at start-up
+            hf_tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
+            self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         except ValueError as exc:
             raise GrammarError(f"llguidance cannot use this tokenizer: {exc}") from exc
         self.executor = llguidance.LLExecutor()

@@ -6,7 +6,8 @@ any extra kwarg of ``model(...)`` through unchanged; the step's
 window and softcap arrive as the ``sliding_window`` / ``softcap`` kwargs and
 go to the backend per call. A mask function is
 registered under the same name and returns no mask, because the backend builds
-its own causal mask from the metadata.
+its own causal mask from the metadata. pagedkv's own Llama (``llama_model``) calls
+:func:`paged_attention_forward` directly, with the same tensors, and registers nothing.
 """
 
 from __future__ import annotations

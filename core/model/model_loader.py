@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -152,17 +153,44 @@ def checkpoint_dtype(model: str | None, revision: str | None = None) -> str | No
 
 
 def load_model(
-    model: str | None, dtype: torch.dtype, device: str, revision: str | None = None
+    model: str | None, dtype: torch.dtype, device: str, revision: str | None = None, model_impl: str = "auto",
 ) -> tuple[Any, Any, Path]:
-    """Load (model, tokenizer, directory), in eval mode on ``device``."""
-    with phase("transformers imported"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load (model, tokenizer, directory), in eval mode on ``device``.
+
+    ``model_impl``: ``auto`` takes pagedkv's own Llama when the checkpoint is one it implements exactly
+    (:mod:`pagedkv.core.model.native_config`) and transformers otherwise; ``pagedkv`` insists on ours
+    (an error naming why it cannot); ``transformers`` always takes transformers'.
+    """
     with phase("model resolved"):
         path = resolve_model_dir(model, revision)
+    hf_model = tokenizer = None
+    if model_impl != "transformers":
+        from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
+        from pagedkv.core.model.native_loader import native_reason, try_native
+
+        if model_impl == "pagedkv" and (reason := native_reason(path)) is not None:
+            raise ConfigError(f"--model-impl pagedkv cannot run {path}: {reason}; use --model-impl auto or "
+                              "transformers")
+        with phase("weights loaded (pagedkv's Llama)"):
+            hf_model = try_native(path, dtype, device)
+        if hf_model is None and model_impl == "pagedkv":
+            raise ConfigError(f"--model-impl pagedkv cannot read the weights in {path} (--log-level debug says "
+                              "why); use --model-impl auto or transformers")
+        problem = fast_tokenizer_problem(path) if hf_model is not None else "the model loads with transformers"
+        if problem is None:
+            with phase("tokenizer loaded (tokenizers)"):
+                tokenizer = FastTokenizer(path)
+        else:
+            logging.getLogger("pagedkv.model").debug("pagedkv: transformers' tokenizer for %s: %s", path, problem)
+    if hf_model is not None and tokenizer is not None:
+        return hf_model, tokenizer, path
+    with phase("transformers imported"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         with _no_progress_bars():
-            with phase("weights loaded"):
-                hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            if hf_model is None:
+                with phase("weights loaded"):
+                    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
             with phase("tokenizer loaded"):
                 tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the user needs one message
@@ -173,6 +201,7 @@ def load_model(
 def prepare_model(config: Any, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
     """``config.model`` loaded offline, or the given model moved to the configured device and dtype."""
     if model is None:
-        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision)
+        impl = config.model_impl if config.tensor_parallel_size <= 1 else "transformers"  # TP shards HF's modules
+        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision, impl)
         return model, tokenizer
     return model.to(device=config.device, dtype=config.dtype).eval(), tokenizer

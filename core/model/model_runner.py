@@ -47,8 +47,9 @@ class ModelRunner:
         if check_support:  # refuse what the engine would run wrongly, before anything (a sharded model: checked whole)
             with phase("model support checked"):
                 check_model_support(model)
-        register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
+        if not getattr(model, "pagedkv_native", False):  # pagedkv's own Llama calls the attention directly
+            register_attention()
+            model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
         self.backend = backend
         self.spec = spec

@@ -93,6 +93,8 @@ def check_model_support(model: Any) -> tuple[LayerAttention, ...]:
     config = model.config
     name = getattr(config, "model_type", None) or type(model).__name__
     problems = config_problems(config)
+    if getattr(model, "pagedkv_native", False) and not problems:  # pagedkv's Llama: whitelisted, tested exact
+        return expected_layers(config)
     if not problems:
         expected = expected_layers(config)
         calls = _probe(model)
