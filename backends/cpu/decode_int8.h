@@ -6,12 +6,14 @@
 // per value instead of 4, and then not to lose that to arithmetic. A row is head_dim int8 values and the
 // row's scale (row_scale, row_bytes; core/kv/kv_dtype.py). Each row is widened vector by vector in
 // registers and used at once by all G query heads of its group (one pass of up to kInt8MaxPass heads):
-// the queries are read from L1 as memory operands instead of being held in registers (3 x 64 floats are
-// 24 AVX2 registers of 16), so a K or V vector is loaded and converted once, never copied to a buffer.
-// The scale is applied per row, not per value: a step's kLanes scores are multiplied by the vector of
-// their K scales, and the softmax weights by their V scales before they weigh the V rows (the running
-// sum takes the unscaled weights). P.V goes one vector slice of the rows at a time, so the G heads'
-// accumulators for that slice are the only ones live and the broadcast weights come from L1.
+// the queries are read from L1 instead of being held in registers (3 x 64 floats are 24 AVX2 registers
+// of 16), so a K or V vector is loaded and converted once, never copied to a buffer. Once widening costs
+// as much as the FMAs, the load ports are the next limit (profiled: at ctx 2048 the old one-key leaves
+// read 32 vectors a key, 24 of them queries), so K rows go in pairs (each query vector loaded serves two
+// keys) and P.V takes slices of up to 4 vectors (each weight broadcast once per slice, straight from
+// memory): ~0.83x the time of one-key leaves (one SmolLM2 layer, ctx 2048, AVX2). The scale is applied
+// per row, not per value: a step's kLanes scores are multiplied by the vector of their K scales, and the
+// softmax weights by their V scales before they weigh the V rows (the running sum takes the unscaled ones).
 // Head dims that are not whole vectors (or not 32/64/128/256) take run_general: scalar, per key.
 
 namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
