@@ -3,10 +3,11 @@
 9 query / 3 KV heads, head dim 64, block 16, batch 64, one decode token per sequence, block tables shuffled
 over the pool; the int8 cache holds the fp32 cache's rows quantized (``core/kv/kv_dtype.py``). ``--threads``
 torch threads (default 1); the rows are timed in interleaved rounds (fp32, int8, fp32, ...: a neighbour's
-burst hits both alike), per call the median of ``--rounds`` by the process's CPU clock (``resource``: all
-the kernel's threads; on a shared machine the wall clock measures the neighbours) and by the wall clock.
-The load average is printed before and after: a verdict needs a quiet machine. Also the torch reference on
-the int8 cache (dequantize in the gather), the path every other 8-bit case takes.
+burst hits both alike), per call the median of ``--rounds`` by the process's CPU clock (``time.process_time``:
+all the kernel's threads, and not tick-rounded as ``getrusage`` is here; on a shared machine the wall clock
+measures the neighbours) and by the wall clock. The load average is printed before and after: a verdict
+needs a quiet machine. Also the torch reference on the int8 cache (dequantize in the gather), the path every
+other 8-bit case takes.
 
     .venv/bin/python benchmarks/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 7 --no-reference
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import statistics
 import time
 
@@ -42,12 +42,6 @@ def case(ctx: int, batch: int, seed: int = 0):
     return torch.randn(batch, HEADS, HEAD_DIM, generator=gen), k, v, meta
 
 
-def cpu_seconds() -> float:
-    """CPU time of the whole process (the kernel's OpenMP threads too), user + system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def timed(rows: dict, rounds: int) -> dict[str, tuple[float, float]]:
     """Median CPU and wall seconds per call of each row, the rows interleaved round by round."""
     for fn, _ in rows.values():
@@ -56,9 +50,9 @@ def timed(rows: dict, rounds: int) -> dict[str, tuple[float, float]]:
     wall = {name: [] for name in rows}
     for _ in range(rounds):
         for name, (fn, _) in rows.items():
-            c, w = cpu_seconds(), time.perf_counter()
+            c, w = time.process_time(), time.perf_counter()
             fn()
-            cpu[name].append(cpu_seconds() - c)
+            cpu[name].append(time.process_time() - c)
             wall[name].append(time.perf_counter() - w)
     return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in rows}
 
