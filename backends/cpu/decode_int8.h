@@ -74,9 +74,9 @@ inline void pair_tree(Pair& pair, int base, vfloat* out) {
   }
 }
 
-// Vectors of a P.V slice: its GB x SL accumulators, SL widened V vectors and a broadcast weight in registers
-// (AVX2: 4 for one or two heads, else 2: three heads' 12 accumulators spill), so each weight is broadcast once for SL vectors.
-constexpr int pv_slice(int nv, int gb) { return nv % 4 == 0 && gb * 4 + 5 <= kRegisters ? 4 : nv % 2 == 0 ? 2 : 1; }
+// Vectors of a P.V slice: its GB x SL accumulators, the GB broadcast weights of a key and one widened V
+// vector in registers (AVX2: 4 for up to three heads, so each weight is broadcast once for 4 vectors).
+constexpr int pv_slice(int nv, int gb) { return nv % 4 == 0 && gb * 5 + 1 <= kRegisters ? 4 : nv % 2 == 0 ? 2 : 1; }
 
 // One step of up to kKeys keys (n valid; rows past n point at kZeroRow, scale 0) for GB query heads of one KV
 // head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf advanced once per key and once per P.V slice.
@@ -158,10 +158,12 @@ inline void step(const float* q, const int8_t* const* kr, const int8_t* const* v
     for (int g = 0; g < GB; ++g)
       for (int x = 0; x < SL; ++x) a[g][x] = load(acc + g * DT + (i + x) * kLanes) * alpha[g];
     for (int j = 0; j < kKeys; ++j) {
-      vfloat vv[SL];
-      for (int x = 0; x < SL; ++x) vv[x] = load_row<int8_t>(vr[j] + (i + x) * kLanes);
-      for (int g = 0; g < GB; ++g)
-        for (int x = 0; x < SL; ++x) a[g][x] += weight[g][j] * vv[x];
+      vfloat w[GB];
+      for (int g = 0; g < GB; ++g) w[g] = splat(weight[g][j]);
+      for (int x = 0; x < SL; ++x) {
+        const vfloat vv = load_row<int8_t>(vr[j] + (i + x) * kLanes);
+        for (int g = 0; g < GB; ++g) a[g][x] += w[g] * vv;
+      }
     }
     for (int g = 0; g < GB; ++g)
       for (int x = 0; x < SL; ++x) store(acc + g * DT + (i + x) * kLanes, a[g][x]);
