@@ -11,7 +11,7 @@
 // as much as the FMAs, the load ports are the next limit (profiled: at ctx 2048 the old one-key leaves
 // read 32 vectors a key, 24 of them queries), so K rows go in pairs (each query vector loaded serves two
 // keys) and P.V takes slices of up to 4 vectors (each weight broadcast once per slice, straight from
-// memory): ~0.83x the time of one-key leaves (one SmolLM2 layer, ctx 2048, AVX2). The scale is applied
+// memory): ~0.75-0.85x the time of one-key leaves (one SmolLM2 layer, ctx 2048, AVX2). The scale is applied
 // per row, not per value: a step's kLanes scores are multiplied by the vector of their K scales, and the
 // softmax weights by their V scales before they weigh the V rows (the running sum takes the unscaled ones).
 // Head dims that are not whole vectors (or not 32/64/128/256) take run_general: scalar, per key.
