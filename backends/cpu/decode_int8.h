@@ -6,12 +6,14 @@
 // per value instead of 4, and then not to lose that to arithmetic. A row is head_dim int8 values and the
 // row's scale (row_scale, row_bytes; core/kv/kv_dtype.py). Each row is widened vector by vector in
 // registers and used at once by all G query heads of its group (one pass of up to kInt8MaxPass heads):
-// the queries are read from L1 as memory operands instead of being held in registers (3 x 64 floats are
-// 24 AVX2 registers of 16), so a K or V vector is loaded and converted once, never copied to a buffer.
-// The scale is applied per row, not per value: a step's kLanes scores are multiplied by the vector of
-// their K scales, and the softmax weights by their V scales before they weigh the V rows (the running
-// sum takes the unscaled weights). P.V goes one vector slice of the rows at a time, so the G heads'
-// accumulators for that slice are the only ones live and the broadcast weights come from L1.
+// the queries are read from L1 instead of being held in registers (3 x 64 floats are 24 AVX2 registers
+// of 16), so a K or V vector is loaded and converted once, never copied to a buffer. Once widening costs
+// as much as the FMAs, the load ports are the next limit (profiled: at ctx 2048 the old one-key leaves
+// read 32 vectors a key, 24 of them queries), so K rows go in pairs (each query vector loaded serves two
+// keys) and P.V takes slices of up to 4 vectors (each weight broadcast once per slice, straight from
+// memory): ~0.75-0.85x the time of one-key leaves (one SmolLM2 layer, ctx 2048, AVX2). The scale is applied
+// per row, not per value: a step's kLanes scores are multiplied by the vector of their K scales, and the
+// softmax weights by their V scales before they weigh the V rows (the running sum takes the unscaled ones).
 // Head dims that are not whole vectors (or not 32/64/128/256) take run_general: scalar, per key.
 
 namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
@@ -57,6 +59,25 @@ struct Scratch8 {
   std::vector<int64_t> off;  // byte offsets of the token rows of the steps in flight (ring)
 };
 
+// The scores of inputs [base, base + 2^Depth) for GB heads, as decode.h's tree_of_leaves but with leaves
+// in pairs: pair(i, out) computes inputs i and i + 1 and joins them at the tree's first level, so each query
+// vector loaded from L1 serves two K rows.
+template <int GB, int Depth, typename Pair>
+inline void pair_tree(Pair& pair, int base, vfloat* out) {
+  if constexpr (Depth == 1) {
+    pair(base, out);
+  } else {
+    vfloat a[GB], b[GB];
+    pair_tree<GB, Depth - 1>(pair, base, a);
+    pair_tree<GB, Depth - 1>(pair, base + (1 << (Depth - 1)), b);
+    for (int g = 0; g < GB; ++g) out[g] = tree_level<(kLanes >> Depth)>(a[g], b[g]);
+  }
+}
+
+// Vectors of a P.V slice: its GB x SL accumulators, the GB broadcast weights of a key and one widened V
+// vector in registers (AVX2: 4 for up to three heads, so each weight is broadcast once for 4 vectors).
+constexpr int pv_slice(int nv, int gb) { return nv % 4 == 0 && gb * 5 + 1 <= kRegisters ? 4 : nv % 2 == 0 ? 2 : 1; }
+
 // One step of up to kKeys keys (n valid; rows past n point at kZeroRow, scale 0) for GB query heads of one KV
 // head: q [GB][DT] pre-scaled, acc [GB][DT], state hs[GB]; pf advanced once per key and once per P.V slice.
 template <int DT, int GB>
@@ -64,45 +85,56 @@ inline void step(const float* q, const int8_t* const* kr, const int8_t* const* v
                  float softcap, float* acc, DecodeHead* hs) {
   constexpr int NV = DT / kLanes;
   constexpr int SV = kKeys / kLanes;  // score vectors a head
-  vfloat s[SV][GB];                   // lane j of s[c]: key c * kLanes + j's q . k_int8
+  alignas(64) float kscale[kKeys], vscale[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    kscale[j] = row_scale(kr[j], DT);
+    vscale[j] = row_scale(vr[j], DT);
+  }
+  vfloat s[SV][GB];  // lane j of s[c]: key c * kLanes + j's q . k_int8
   for (int c = 0; c < SV; ++c) {
-    auto leaf = [&](int input, vfloat* out) {
-      const int8_t* k = kr[c * kLanes + tree_lane(input)];
-      if (pf != nullptr) pf->issue();
-      const vfloat k0 = load_row<int8_t>(k);
-      for (int g = 0; g < GB; ++g) out[g] = load(q + g * DT) * k0;
-      for (int i = 1; i < NV; ++i) {
-        const vfloat kv = load_row<int8_t>(k + i * kLanes);
-        for (int g = 0; g < GB; ++g) out[g] += load(q + g * DT + i * kLanes) * kv;
+    auto pair = [&](int input, vfloat* out) {
+      const int8_t* k0 = kr[c * kLanes + tree_lane(input)];
+      const int8_t* k1 = kr[c * kLanes + tree_lane(input + 1)];
+      if (pf != nullptr) {
+        pf->issue();
+        pf->issue();
       }
+      vfloat a0[GB], a1[GB];
+      vfloat x0 = load_row<int8_t>(k0), x1 = load_row<int8_t>(k1);
+      for (int g = 0; g < GB; ++g) {
+        const vfloat qv = load(q + g * DT);
+        a0[g] = qv * x0;
+        a1[g] = qv * x1;
+      }
+      for (int i = 1; i < NV; ++i) {
+        x0 = load_row<int8_t>(k0 + i * kLanes);
+        x1 = load_row<int8_t>(k1 + i * kLanes);
+        for (int g = 0; g < GB; ++g) {
+          const vfloat qv = load(q + g * DT + i * kLanes);
+          a0[g] += qv * x0;
+          a1[g] += qv * x1;
+        }
+      }
+      for (int g = 0; g < GB; ++g) out[g] = tree_level<kLanes / 2>(a0[g], a1[g]);
     };
-    tree_of_leaves<GB>(leaf, 0, s[c]);
+    pair_tree<GB, kLaneBits>(pair, 0, s[c]);
   }
 
-  vfloat ks[SV], vs[SV];
-  vint valid[SV];
-  for (int c = 0; c < SV; ++c) {
-    for (int j = 0; j < kLanes; ++j) {
-      ks[c][j] = row_scale(kr[c * kLanes + j], DT);
-      vs[c][j] = row_scale(vr[c * kLanes + j], DT);
-    }
-    valid[c] = lane_index() < n - c * kLanes;
-  }
   const vfloat ninf = vfloat{} - INFINITY;
-  alignas(64) vfloat weight[GB][kKeys];  // softmax weight x V scale of key j, broadcast
+  alignas(64) float weight[GB][kKeys];  // softmax weight x V scale of key j
   float alpha[GB];
   for (int g = 0; g < GB; ++g) {
     vfloat sg[SV];
     vfloat top = ninf;
     for (int c = 0; c < SV; ++c) {
-      sg[c] = s[c][g] * ks[c];
+      sg[c] = s[c][g] * load(kscale + c * kLanes);
       if (softcap > 0.0f) {
         alignas(64) float t[kLanes];
         store(t, sg[c]);
         for (int j = 0; j < kLanes; ++j) t[j] = softcap * std::tanh(t[j] / softcap) * kLog2e;
         sg[c] = load(t);
       }
-      sg[c] = valid[c] ? sg[c] : ninf;
+      sg[c] = lane_index() < n - c * kLanes ? sg[c] : ninf;
       top = vmax(top, sg[c]);
     }
     const float old_max = hs[g].max;
@@ -111,25 +143,26 @@ inline void step(const float* q, const int8_t* const* kr, const int8_t* const* v
     vfloat sum = hs[g].sum * alpha[g];
     for (int c = 0; c < SV; ++c) {
       vfloat pg = exp2_neg_vec(sg[c] - new_max);
-      pg = valid[c] ? pg : vfloat{};
+      pg = lane_index() < n - c * kLanes ? pg : vfloat{};
       sum += pg;
-      const vfloat wg = pg * vs[c];
-      for (int j = 0; j < kLanes; ++j) weight[g][c * kLanes + j] = splat(wg[j]);
+      store(weight[g] + c * kLanes, pg * load(vscale + c * kLanes));
     }
     hs[g].max = new_max;
     hs[g].sum = sum;
   }
 
-  constexpr int SL = NV % 2 == 0 ? 2 : 1;  // vectors a P.V slice
+  constexpr int SL = pv_slice(NV, GB);
   for (int i = 0; i < NV; i += SL) {
     if (pf != nullptr) pf->issue();
     vfloat a[GB][SL];
     for (int g = 0; g < GB; ++g)
       for (int x = 0; x < SL; ++x) a[g][x] = load(acc + g * DT + (i + x) * kLanes) * alpha[g];
     for (int j = 0; j < kKeys; ++j) {
+      vfloat w[GB];
+      for (int g = 0; g < GB; ++g) w[g] = splat(weight[g][j]);
       for (int x = 0; x < SL; ++x) {
         const vfloat vv = load_row<int8_t>(vr[j] + (i + x) * kLanes);
-        for (int g = 0; g < GB; ++g) a[g][x] += weight[g][j] * vv;
+        for (int g = 0; g < GB; ++g) a[g][x] += w[g] * vv;
       }
     }
     for (int g = 0; g < GB; ++g)
@@ -182,7 +215,8 @@ void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
     row_offsets(table, c0, std::min(kKeys, len - c0), a.block_size, block_stride, token_stride, offsets(c0));
 
   const int passes = (G + kInt8MaxPass - 1) / kInt8MaxPass;  // as even as possible (G = 8: 4 + 4)
-  const int calls = nh * (kKeys + (DT / kLanes + 1) / 2);  // PrefetchCursor::issue calls a step
+  const int gb0 = G / passes + (G % passes != 0 ? 1 : 0);  // the first pass's heads: it advances the cursor
+  const int calls = nh * (kKeys + DT / kLanes / pv_slice(DT / kLanes, gb0));  // PrefetchCursor::issue calls a step
   const int span = static_cast<int>(nh * row);                // the unit's bytes of one token, unaligned
   const int lines_per_row = (span + 62) / 64 + 1;
   const int8_t* zero = reinterpret_cast<const int8_t*>(kZeroRow);

@@ -60,7 +60,8 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline vfloat splat(float x) { return vfloat{} + x; }
+// x - 0 is x for every x (0 + x is not, for x = -0), so this folds to a plain broadcast: no vaddss.
+inline vfloat splat(float x) { return x - vfloat{}; }
 
 inline vint lane_index() {
   vint v;
