@@ -7,7 +7,7 @@ import math
 import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
-from pagedkv.core.kv.kv_dtype import byte_view, dequantize_rows, is_quantized, quantize_rows, row_width, split_cache
+from pagedkv.core.kv.kv_dtype import SCALE_NAN, byte_view, dequantize_rows, is_quantized, quantize_rows, row_width, split_cache
 
 
 def reference(q, k, v, context_len, scale, window=None, softcap=None):
@@ -28,12 +28,12 @@ def reference(q, k, v, context_len, scale, window=None, softcap=None):
 
 
 def poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype):
-    """A cache whose every slot reads as NaN: NaN values, or (8-bit) junk values with a NaN scale."""
+    """A cache whose every slot reads as NaN: NaN values, or (8-bit) junk values with a NaN scale (code 255)."""
     cache = torch.empty((num_blocks, block_size, kv_heads, row_width(dim, kv_dtype)), dtype=kv_dtype)
     if not is_quantized(kv_dtype):
         return cache.fill_(float("nan"))
     byte_view(cache).fill_(77)
-    split_cache(cache, dim)[1].fill_(float("nan"))
+    split_cache(cache, dim)[1].fill_(SCALE_NAN)
     return cache
 
 

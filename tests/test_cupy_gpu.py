@@ -243,9 +243,12 @@ def check_write_kv_8bit(backend, device, dtype, kv_dtype="int8", block_size=16, 
     kv_dtype = getattr(torch, kv_dtype)
     gen = torch.Generator().manual_seed(11)
     num_blocks, tokens = 6, 2 * block_size
-    shape = (num_blocks, block_size, num_kv_heads, head_dim + 2)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim + 1)
     key = torch.randn((tokens, num_kv_heads, head_dim), generator=gen) * torch.logspace(-3, 3, tokens)[:, None, None]
     key[3, 0] = 0.0  # a zero row: scale 0
+    key[4, -1] = torch.linspace(-127.0, 127.0, head_dim) * 1.875  # amax / 127 on the scale grid: that scale
+    key[5, 0] = key[4, -1] * (1 + 2**-20)  # just above it: the next code
+    key[2, 0] *= 1e-36  # amax / 127 below the smallest scale: the smallest code
     value = torch.randn((tokens, num_kv_heads, head_dim), generator=gen)
     key, value = key.to(dtype), value.to(dtype)
     slots = torch.cat([torch.arange(block_size) + 4 * block_size, torch.arange(block_size) + block_size])
@@ -292,7 +295,7 @@ def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     rows = -(-pool.numel() // (head_dim - 1))
     pool = torch.cat([pool, torch.zeros(rows * (head_dim - 1) - pool.numel())]).view(rows, 1, head_dim - 1)
     key = torch.cat([torch.full((rows, 1, 1), QMAX[kv_dtype]), pool], dim=-1).to(dtype)
-    shape = (rows, 1, 1, head_dim + 2)
+    shape = (rows, 1, 1, head_dim + 1)
     k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     slots = torch.arange(rows)

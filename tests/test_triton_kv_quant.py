@@ -37,9 +37,13 @@ def test_write_kv_matches_the_reference_bit_for_bit(kv_dtype, block_size):
     value = torch.randn(tokens, heads, dim, generator=gen)
     key[2, 1] = 0.0  # an all-zero row: scale 0
     key[3, 0, :4] = torch.tensor([127.0, 2.5, -2.5, 0.5]) / 127 * key[3, 0].abs().max()  # near-ties
+    key[5, 2] = torch.linspace(-127.0, 127.0, dim) * 1.625  # amax / 127 on the scale grid: that scale itself
+    key[6, 0] = key[5, 2] * (1 + 2**-20)  # just above a grid point: the next code
+    key[7, 1] *= 1e-36  # amax / 127 below the smallest scale: the smallest code, 1
+    value[8, 1] *= 1e6  # above the largest scale (896): the largest code, clipped
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[4] = -1
-    caches = [torch.full((num_blocks, block_size, heads, dim + 2), 5, dtype=torch.int8).view(kv_dtype)
+    caches = [torch.full((num_blocks, block_size, heads, dim + 1), 5, dtype=torch.int8).view(kv_dtype)
               for _ in range(4)]
     write_kv(key, value, caches[0], caches[1], slots)
     reference_write_kv(key, value, caches[2], caches[3], slots)
@@ -50,7 +54,7 @@ def test_write_kv_matches_the_reference_bit_for_bit(kv_dtype, block_size):
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
 def test_copy_blocks_moves_values_and_scales(kv_dtype):
-    caches = [tuple(torch.randint(-128, 127, (5, 4, 2, 18), dtype=torch.int8).view(kv_dtype) for _ in range(2))
+    caches = [tuple(torch.randint(-128, 127, (5, 4, 2, 17), dtype=torch.int8).view(kv_dtype) for _ in range(2))
               for _ in range(2)]
     before = [(byte_view(k).clone(), byte_view(v).clone()) for k, v in caches]
     copy_blocks(caches, torch.tensor([[0, 3], [4, 1]]))
