@@ -158,7 +158,8 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} ({result.get('scale_format', 'e5m3')} row scale): {result['prompts']} prompts x {result['prompt_tokens']} tokens, "
+    lines = [f"{result['model']} ({result.get('scale_format', 'e5m3')} row scale): {result['prompts']} prompts x "
+             f"{result['prompt_tokens']} tokens, "
              f"{result['tokens']} generated; perplexity over {result['text_tokens']} tokens "
              f"(windows of {result['window']})",
              f"{'kv dtype':<10} {'forced agree':>12} {'free agree':>10} {'same prefix':>11} {'mean |dlogit|':>13} "

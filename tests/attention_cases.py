@@ -7,7 +7,15 @@ import math
 import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
-from pagedkv.core.kv.kv_dtype import SCALE_NAN, byte_view, dequantize_rows, is_quantized, quantize_rows, row_width, split_cache
+from pagedkv.core.kv.kv_dtype import (
+    SCALE_NAN,
+    byte_view,
+    dequantize_rows,
+    is_quantized,
+    quantize_rows,
+    row_width,
+    split_cache,
+)
 
 
 def reference(q, k, v, context_len, scale, window=None, softcap=None):

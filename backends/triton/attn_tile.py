@@ -7,8 +7,9 @@ position is mapped to its physical block through the block table, so any cache
 block size works and a tile may span several blocks. Addresses are int64.
 
 An 8-bit cache (``QUANT``) is dequantized right after loading, each row times its scale, decoded from the
-row's E5M3 byte by integer operations (``e5m3_scale``; exact in fp32, as the torch reference). Everything is converted to fp32 right after loading: the interpreter computes
-bf16 arithmetic wrongly, and fp32 accumulation is what the GPU wants as well.
+row's E5M3 byte by integer operations (``e5m3_scale``; exact in fp32, as the torch reference). Everything
+is converted to fp32 right after loading: the interpreter computes bf16 arithmetic wrongly, and fp32
+accumulation is what the GPU wants as well.
 Scores are kept in base 2: ``q @ k^T`` is multiplied by ``qk_scale = scale * log2(e)``
 after the dot, so a 16-bit ``q`` stays exact when the dot runs in TF32 on a GPU.
 With softcapping the score is ``softcap * tanh(scale * q.k / softcap)``, so the
