@@ -353,6 +353,16 @@ def check_8bit_attention(backend, device, dtype, seq_lens, query_lens, kv_dtype=
     assert_close_to(out, torch.cat(want), dtype, f"{kv_dtype} cache, heads {heads}, head_dim {head_dim}")
 
 
+def check_8bit_nan_scale(backend, device, dtype, kv_dtype="int8"):
+    """The kernels decode scale code 255 as NaN: a read V row with it makes its sequence's output NaN."""
+    import attention_cases
+
+    meta, query, k_cache, v_cache = attention_cases.nan_scale_case(getattr(torch, kv_dtype), dtype)
+    with kernels_only("paged_attention"):
+        out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, 0.125)
+    attention_cases.assert_nan_scale_read(out.cpu().float())
+
+
 def check_write_then_attend(backend, device, dtype):
     """The engine's order: write this step's rows through write_kv, then attend over the cache."""
     case = make_case(context_lens=[0, 18, 4], query_lens=[9, 1, 6], dtype=dtype, device=device)
@@ -480,6 +490,12 @@ def test_8bit_cache_read_in_the_kernels(backend, kv_dtype, dtype, head_dim, head
     # decodes (one long enough for several partitions) and prefill chunks, none a multiple of the block size
     check_8bit_attention(backend, "cuda", dtype, [1, 17, 2100, 40, 95, 3], [1, 1, 1, 40, 30, 2], kv_dtype,
                          heads=heads, head_dim=head_dim)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_8bit_nan_scale_code_reads_as_nan(backend, kv_dtype, dtype):
+    check_8bit_nan_scale(backend, "cuda", dtype, kv_dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)

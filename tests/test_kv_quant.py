@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from attention_cases import make_case, reference
+from attention_cases import assert_nan_scale_read, make_case, nan_scale_case, reference
 
 from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.backend import CpuBackend
@@ -136,6 +136,13 @@ def test_attention_reads_the_dequantized_cache(backend, kv_dtype, block_size):
     # decodes at block edges, a prefill chunk over cached context, a fresh prefill, GQA
     _check(backend, [1, 17, 40, 9], [1, 1, 20, 9], block_size, kv_dtype)
     _check(backend, [33, 16], [1, 16], block_size, kv_dtype, heads=6, kv_heads=3, dim=64)
+
+
+@pytest.mark.parametrize(("backend", "kv_dtype"), [(TorchBackend("cpu"), d) for d in EIGHT_BIT]
+                         + [(CpuBackend(), torch.int8)], ids=["torch-int8", "torch-e4m3", "torch-e5m2", "cpu-int8"])
+def test_a_row_with_the_nan_scale_code_reads_as_nan(backend, kv_dtype):
+    meta, q, k_cache, v_cache = nan_scale_case(kv_dtype)
+    assert_nan_scale_read(backend.attend(q, k_cache, v_cache, meta, 0.125))
 
 
 @pytest.fixture(scope="module", params=build.variants())

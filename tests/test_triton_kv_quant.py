@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from attention_cases import make_case, reference  # noqa: E402
+from attention_cases import assert_nan_scale_read, make_case, nan_scale_case, reference  # noqa: E402
 
 from conftest import random_prompts  # noqa: E402
 from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -90,6 +90,15 @@ def test_mixed_batch_reads_the_dequantized_cache(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e5m2])
 def test_split_kv_decode_reads_the_dequantized_cache(kv_dtype):
     _check(kv_dtype, [70, 33, 5], [1, 1, 1], 16, split=3)
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+def test_a_row_with_the_nan_scale_code_reads_as_nan(kv_dtype):
+    meta, q, k_cache, v_cache = nan_scale_case(kv_dtype)
+    assert_nan_scale_read(paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.context_lens,
+                                          meta.query_start_loc, meta.max_query_len, 0.125, tile_n=16))
+    assert_nan_scale_read(split_kv_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, meta.max_seq_len, 0.125, 2, tile_n=16))
 
 
 def test_engine_on_triton_matches_the_torch_backend_on_an_int8_cache(tiny_llama):
