@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,30 +97,14 @@ def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> f
     return math.exp(nll / count)
 
 
-def forced_stats(model: Any, kv_dtypes: tuple[str, ...], prompts: list[list[int]], base_out: list[list[int]],
-                 tokens: int, chunk: int) -> dict[str, dict[str, float]]:
-    """Teacher-forced agreement and |logit error| per dtype against the unquantized cache, ``chunk`` sequences
-    at a time: each chunk's unquantized logits are computed once and compared with every dtype's, so only
-    ``chunk`` sequences' full-vocabulary logits ever exist (64 x 160 positions at once would be 2 GB)."""
-    sums = {d: {"agree": 0, "total": 0, "err_sum": 0.0, "err_max": 0.0, "count": 0, "seconds": 0.0}
-            for d in kv_dtypes}
+def span_logits(model: Any, kv_dtype: str, prompts: list[list[int]], base_out: list[list[int]], tokens: int,
+                chunk: int) -> Iterator[torch.Tensor]:
+    """Teacher-forced logits of the rows predicting each continuation ``[tokens, vocab]``, ``chunk`` sequences per
+    forward pass: all 64 x 160 positions' full-vocabulary logits at once would be 2 GB."""
     for lo in range(0, len(prompts), chunk):
         forced = [p + o for p, o in zip(prompts[lo : lo + chunk], base_out[lo : lo + chunk])]
-        spans = [slice(len(p) - 1, len(p) - 1 + tokens) for p in prompts[lo : lo + chunk]]  # rows predicting it
-        base = [b[span] for b, span in zip(forward_logits(model, "auto", forced), spans)]
-        for kv_dtype in kv_dtypes:
-            started = time.perf_counter()
-            got = base if kv_dtype == "auto" else [g[s] for g, s in zip(forward_logits(model, kv_dtype, forced), spans)]
-            acc = sums[kv_dtype]
-            for b, g in zip(base, got):
-                err = (g - b).abs()
-                acc["agree"] += (g.argmax(-1) == b.argmax(-1)).sum().item()
-                acc["total"] += b.shape[0]
-                acc["err_sum"] += err.double().sum().item()
-                acc["err_max"] = max(acc["err_max"], err.max().item())
-                acc["count"] += err.numel()
-            acc["seconds"] += time.perf_counter() - started
-    return sums
+        for p, logits in zip(prompts[lo : lo + chunk], forward_logits(model, kv_dtype, forced)):
+            yield logits[len(p) - 1 : len(p) - 1 + tokens]
 
 
 def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int,
@@ -131,25 +116,34 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
     stride = max(1, (len(text_ids) - prompt_len) // num_prompts)
     prompts = [text_ids[i * stride : i * stride + prompt_len] for i in range(num_prompts)]
     base_out = generate(model, "auto", prompts, tokens)
+    base_logits = list(span_logits(model, "auto", prompts, base_out, tokens, chunk))  # only the span: 25 MB a prompt
     base_ppl = perplexity(model, "auto", text_ids, window)
-    forced = forced_stats(model, kv_dtypes, prompts, base_out, tokens, chunk)
     rows = {}
     for kv_dtype in kv_dtypes:
         started = time.perf_counter()
+        logits = iter(base_logits) if kv_dtype == "auto" else span_logits(model, kv_dtype, prompts, base_out, tokens,
+                                                                           chunk)
+        agree = count = 0
+        err_sum, err_max = 0.0, 0.0
+        for base, got in zip(base_logits, logits):
+            err = (got - base).abs()
+            agree += (got.argmax(-1) == base.argmax(-1)).sum().item()
+            err_sum += err.double().sum().item()
+            err_max = max(err_max, err.max().item())
+            count += err.numel()
         out = base_out if kv_dtype == "auto" else generate(model, kv_dtype, prompts, tokens)
         same = sum(a == b for o, r in zip(out, base_out) for a, b in zip(o, r))
         prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(out, base_out)]
         ppl = base_ppl if kv_dtype == "auto" else perplexity(model, kv_dtype, text_ids, window)
-        f = forced[kv_dtype]
         rows[kv_dtype] = {
-            "teacher_forced_agreement": f["agree"] / f["total"],
+            "teacher_forced_agreement": agree / (tokens * len(prompts)),
             "free_running_agreement": same / (tokens * len(prompts)),
             "mean_identical_prefix": sum(prefix) / len(prefix),
-            "mean_abs_logit_error": f["err_sum"] / f["count"],
-            "max_abs_logit_error": f["err_max"],
+            "mean_abs_logit_error": err_sum / count,
+            "max_abs_logit_error": err_max,
             "perplexity": ppl,
             "perplexity_change": ppl / base_ppl - 1,
-            "seconds": time.perf_counter() - started + f["seconds"],
+            "seconds": time.perf_counter() - started,
         }
         if progress is not None:
             progress(kv_dtype, rows[kv_dtype])
