@@ -16,7 +16,7 @@ Why a 1-byte E5M3 scale: one byte per 64 values (head_dim 64) gives 3.94x the fp
 a bfloat16 scale's 2 bytes gave 3.88x (issue 29 asks for 3.9x). The scale is rounded *up* to the byte's
 grid, so ``x / scale`` never exceeds QMAX (nothing clips), at the price of unused int8 range: with 3
 mantissa bits the grid steps by at most 1/8, so at worst 12.5% of the range (0.17 bit) and on average
-about 4% is lost, where a power-of-two (E8M0) byte loses up to half the range (1 bit; mean logit error
+4.6% (log-uniform amax) is lost, where a power-of-two (E8M0) byte loses up to half the range (1 bit; mean logit error
 1.7x bfloat16's on SmolLM2) and bfloat16's rounding to nearest about 0.4% (but it clips by up to that).
 The code is unsigned: ``e = code >> 3``, ``m = code & 7``, ``scale = 2^(e - SCALE_BIAS) * (1 + m / 8)``,
 whose float32 bits are ``(code << 20) + ((127 - SCALE_BIAS) << 23)``: every backend decodes it with a
@@ -26,12 +26,13 @@ code 255 is NaN, so a non-finite row (an overflowed model) reads back non-finite
 instead of being clipped into plausible values. ``q * scale`` is exact in float32 (an 8-bit value times a
 4-bit mantissa), so every backend reads the same K/V.
 
-Why SCALE_BIAS 22: finite scales span [1.125 * 2^-22, 1.75 * 2^9 = 896]. The top fits every float16 row
-of every 8-bit dtype (int8 clips only rows with amax > 896 * 127 = 113,792; fp16's largest is 65,504) and
-K/V rows of real models (SmolLM2: amax up to ~30, scale ~0.25) by 11 binades. At the bottom, an int8 row
-keeps its full 8 bits down to amax = 127 * 2^-22 = 3e-5 (SmolLM2's smallest K/V row amax ~0.05); below
-that its few codes are still exact to half a step of 2^-22. fp8 loses nothing there: its own exponent
-carries small rows (e5m2's ``amax / 57344`` is below 2^-22 for amax < 0.014, and x / 2^-22 stays normal).
+Why SCALE_BIAS 22: finite scales span [1.125 * 2^-22, 1.75 * 2^9 = 896], which holds ``amax / QMAX`` of
+every dtype with room on both sides. SmolLM2's K/V rows have amax 0.045 to ~28 (30 layers, 512 tokens of
+``benchmarks/data/kv_quant_text.txt``): int8 scales 2^-11.5 to 2^-2.2, fp8_e4m3 2^-13 to 2^-4, fp8_e5m2
+2^-20.3 to 2^-11. The top is 12 binades above int8's largest and fits every float16 row of every dtype
+(int8 clips only rows with amax > 896 * 127 = 113,792; float16's largest is 65,504). At the bottom an int8
+row keeps its full range down to amax = 127 * 2^-22 = 3e-5 (10 binades below SmolLM2's smallest), and fp8
+loses nothing there at all: below the smallest scale its own exponent carries the small values.
 
 Quantization (the reference every backend's KV-write matches bit for bit): ``a = float32(amax / QMAX)``;
 ``code = 0`` if ``a == 0``, ``255`` if ``a`` is inf/NaN, else ``clamp(((bits(a) + 0xFFFFF) >> 20) -
