@@ -24,7 +24,9 @@ shift and an add, and encodes it by rounding the float32 bits of ``amax / QMAX``
 integer arithmetic only (no log2/exp2 whose last bit differs between libraries). Code 0 is a zero row;
 code 255 is NaN, so a non-finite row (an overflowed model) reads back non-finite as it would unquantized
 instead of being clipped into plausible values. ``q * scale`` is exact in float32 (an 8-bit value times a
-4-bit mantissa), so every backend reads the same K/V.
+4-bit mantissa), so every backend reads the same K/V. Measured on SmolLM2 (64 prompts x 128 tokens,
+RESULTS.md): int8's mean logit error is 1.07x the bfloat16 scale's, teacher-forced agreement 99.0% vs 99.2%;
+fp8 pays more (e5m2 1.23x), its peak no longer landing on the format's largest value.
 
 Why SCALE_BIAS 22: finite scales span [1.125 * 2^-22, 1.75 * 2^9 = 896], which holds ``amax / QMAX`` of
 every dtype with room on both sides. SmolLM2's K/V rows have amax 0.045 to ~28 (30 layers, 512 tokens of
