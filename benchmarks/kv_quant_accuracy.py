@@ -13,6 +13,7 @@ Every forward pass is the engine's own (``ModelRunner`` on a paged cache of that
 keys and values always come from the cache. Usage (small enough for a shared 2-core machine):
 
     .venv/bin/python benchmarks/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
+        [--kv-dtypes auto,int8] [--scale-format bf16]   # the former 2-byte scale, on the same prompts
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +97,18 @@ def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> f
     return math.exp(nll / count)
 
 
+def span_logits(model: Any, kv_dtype: str, prompts: list[list[int]], base_out: list[list[int]], tokens: int,
+                chunk: int) -> Iterator[torch.Tensor]:
+    """Teacher-forced logits of the rows predicting each continuation ``[tokens, vocab]``, ``chunk`` sequences per
+    forward pass: all 64 x 160 positions' full-vocabulary logits at once would be 2 GB."""
+    for lo in range(0, len(prompts), chunk):
+        forced = [p + o for p, o in zip(prompts[lo : lo + chunk], base_out[lo : lo + chunk])]
+        for p, logits in zip(prompts[lo : lo + chunk], forward_logits(model, kv_dtype, forced)):
+            yield logits[len(p) - 1 : len(p) - 1 + tokens]
+
+
 def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int,
-            progress: Any = None, kv_dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
+            progress: Any = None, kv_dtypes: tuple[str, ...] = DTYPES, chunk: int = 4) -> dict[str, Any]:
     """The figures for one model; ``progress(kv_dtype, row)`` is called as each dtype's row is done."""
     model, tokenizer = load(name)
     vocab = model.config.vocab_size
@@ -104,31 +116,31 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
     stride = max(1, (len(text_ids) - prompt_len) // num_prompts)
     prompts = [text_ids[i * stride : i * stride + prompt_len] for i in range(num_prompts)]
     base_out = generate(model, "auto", prompts, tokens)
-    forced = [p + o for p, o in zip(prompts, base_out)]
-    base_logits = forward_logits(model, "auto", forced)
+    base_logits = list(span_logits(model, "auto", prompts, base_out, tokens, chunk))  # only the span: 25 MB a prompt
     base_ppl = perplexity(model, "auto", text_ids, window)
     rows = {}
     for kv_dtype in kv_dtypes:
         started = time.perf_counter()
-        logits = base_logits if kv_dtype == "auto" else forward_logits(model, kv_dtype, forced)
+        logits = iter(base_logits) if kv_dtype == "auto" else span_logits(model, kv_dtype, prompts, base_out, tokens,
+                                                                           chunk)
+        agree = count = 0
+        err_sum, err_max = 0.0, 0.0
+        for base, got in zip(base_logits, logits):
+            err = (got - base).abs()
+            agree += (got.argmax(-1) == base.argmax(-1)).sum().item()
+            err_sum += err.double().sum().item()
+            err_max = max(err_max, err.max().item())
+            count += err.numel()
         out = base_out if kv_dtype == "auto" else generate(model, kv_dtype, prompts, tokens)
-        agree = total = 0
-        errors = []
-        for p, base, got in zip(prompts, base_logits, logits):
-            span = slice(len(p) - 1, len(p) - 1 + tokens)  # the rows predicting the continuation
-            agree += (got[span].argmax(-1) == base[span].argmax(-1)).sum().item()
-            total += tokens
-            errors.append((got[span] - base[span]).abs())
-        err = torch.cat(errors)
         same = sum(a == b for o, r in zip(out, base_out) for a, b in zip(o, r))
         prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(out, base_out)]
         ppl = base_ppl if kv_dtype == "auto" else perplexity(model, kv_dtype, text_ids, window)
         rows[kv_dtype] = {
-            "teacher_forced_agreement": agree / total,
+            "teacher_forced_agreement": agree / (tokens * len(prompts)),
             "free_running_agreement": same / (tokens * len(prompts)),
             "mean_identical_prefix": sum(prefix) / len(prefix),
-            "mean_abs_logit_error": err.mean().item(),
-            "max_abs_logit_error": err.max().item(),
+            "mean_abs_logit_error": err_sum / count,
+            "max_abs_logit_error": err_max,
             "perplexity": ppl,
             "perplexity_change": ppl / base_ppl - 1,
             "seconds": time.perf_counter() - started,
@@ -140,7 +152,8 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']}: {result['prompts']} prompts x {result['prompt_tokens']} tokens, "
+    lines = [f"{result['model']} ({result.get('scale_format', 'e5m3')} row scale): {result['prompts']} prompts x "
+             f"{result['prompt_tokens']} tokens, "
              f"{result['tokens']} generated; perplexity over {result['text_tokens']} tokens "
              f"(windows of {result['window']})",
              f"{'kv dtype':<10} {'forced agree':>12} {'free agree':>10} {'same prefix':>11} {'mean |dlogit|':>13} "
@@ -161,10 +174,18 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kv-dtypes", default=",".join(DTYPES), help="the cache dtypes to measure (auto is the base)")
+    parser.add_argument("--chunk", type=int, default=4, help="sequences per teacher-forced forward pass")
+    parser.add_argument("--scale-format", choices=("e5m3", "bf16"), default="e5m3",
+                        help="the 8-bit rows' scale: the cache's own 1-byte E5M3, or the former 2-byte bfloat16 "
+                             "(kv_scale_bf16.py), for a comparison on the same prompts")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.scale_format == "bf16":
+        import kv_scale_bf16  # next to this script
+
+        kv_scale_bf16.install()
     def progress(kv_dtype: str, row: dict) -> None:  # a long run on a loaded machine keeps what it measured
         print(f"# {kv_dtype}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
@@ -172,8 +193,8 @@ def main() -> None:
     unknown = sorted(set(kv_dtypes) - set(DTYPES))
     if unknown:
         parser.error(f"--kv-dtypes: unknown {', '.join(unknown)}; use some of {', '.join(DTYPES)}")
-    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window, progress, kv_dtypes)
-               for m in args.models.split(",")]
+    results = [measure(m, args.prompts, args.tokens, args.prompt_len, args.window, progress, kv_dtypes, args.chunk)
+               | {"scale_format": args.scale_format} for m in args.models.split(",")]
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(format_table(r) for r in results))
 
 

@@ -7,7 +7,15 @@ import math
 import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
-from pagedkv.core.kv.kv_dtype import byte_view, dequantize_rows, is_quantized, quantize_rows, row_width, split_cache
+from pagedkv.core.kv.kv_dtype import (
+    SCALE_NAN,
+    byte_view,
+    dequantize_rows,
+    is_quantized,
+    quantize_rows,
+    row_width,
+    split_cache,
+)
 
 
 def reference(q, k, v, context_len, scale, window=None, softcap=None):
@@ -28,12 +36,12 @@ def reference(q, k, v, context_len, scale, window=None, softcap=None):
 
 
 def poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype):
-    """A cache whose every slot reads as NaN: NaN values, or (8-bit) junk values with a NaN scale."""
+    """A cache whose every slot reads as NaN: NaN values, or (8-bit) junk values with a NaN scale (code 255)."""
     cache = torch.empty((num_blocks, block_size, kv_heads, row_width(dim, kv_dtype)), dtype=kv_dtype)
     if not is_quantized(kv_dtype):
         return cache.fill_(float("nan"))
     byte_view(cache).fill_(77)
-    split_cache(cache, dim)[1].fill_(float("nan"))
+    split_cache(cache, dim)[1].fill_(SCALE_NAN)
     return cache
 
 
@@ -72,3 +80,17 @@ def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dty
         query_lens=list(query_lens), block_size=block_size,
     )
     return meta, query, k_cache, v_cache, keys, values
+
+
+def nan_scale_case(kv_dtype, dtype=torch.float32):
+    """Two decoding sequences whose first one's newest V row (KV head 0) has the NaN scale code: a kernel that
+    decodes code 255 as NaN gives NaN for that sequence's first query-head group and finite values elsewhere
+    (a V row: the cpu kernel's exp2 maps a NaN score to 0, so a NaN K row could vanish)."""
+    meta, q, k_cache, v_cache, *_ = make_case([9, 20], [1, 1], 16, dim=64, dtype=dtype, kv_dtype=kv_dtype)
+    slot = int(meta.slot_mapping[0])
+    split_cache(v_cache, 64)[1][slot // 16, slot % 16, 0] = SCALE_NAN
+    return meta, q, k_cache, v_cache
+
+
+def assert_nan_scale_read(out):
+    assert out[0, :2].isnan().all() and torch.isfinite(out[0, 2:]).all() and torch.isfinite(out[1]).all()

@@ -162,6 +162,7 @@ CASES = [
                                          "heads": [6, 2], "kv_dtype": "float8_e4m3fn"}),
     ("check_8bit_attention", "bfloat16", {"seq_lens": [3, 130, 21], "query_lens": [1, 1, 9], "heads": [4, 4],
                                           "head_dim": 128, "block_size": 7, "kv_dtype": "float8_e5m2"}),
+    *[("check_8bit_nan_scale", dt, {"kv_dtype": kv}) for dt, kv in (("float32", "int8"), ("bfloat16", "float8_e5m2"))],
     ("check_copy_blocks", "float32", {}),
     ("check_copy_blocks", "float16", {"block_size": 1, "num_kv_heads": 1, "head_dim": 3}),
     ("check_copy_blocks", "bfloat16", {"block_size": 3, "num_kv_heads": 1, "head_dim": 6}),

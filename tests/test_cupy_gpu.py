@@ -243,9 +243,12 @@ def check_write_kv_8bit(backend, device, dtype, kv_dtype="int8", block_size=16, 
     kv_dtype = getattr(torch, kv_dtype)
     gen = torch.Generator().manual_seed(11)
     num_blocks, tokens = 6, 2 * block_size
-    shape = (num_blocks, block_size, num_kv_heads, head_dim + 2)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim + 1)
     key = torch.randn((tokens, num_kv_heads, head_dim), generator=gen) * torch.logspace(-3, 3, tokens)[:, None, None]
     key[3, 0] = 0.0  # a zero row: scale 0
+    key[4, -1] = torch.linspace(-127.0, 127.0, head_dim) * 1.875  # amax / 127 on the scale grid: that scale
+    key[5, 0] = key[4, -1] * (1 + 2**-20)  # just above it: the next code
+    key[2, 0] *= 1e-36  # amax / 127 below the smallest scale: the smallest code
     value = torch.randn((tokens, num_kv_heads, head_dim), generator=gen)
     key, value = key.to(dtype), value.to(dtype)
     slots = torch.cat([torch.arange(block_size) + 4 * block_size, torch.arange(block_size) + block_size])
@@ -292,7 +295,7 @@ def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     rows = -(-pool.numel() // (head_dim - 1))
     pool = torch.cat([pool, torch.zeros(rows * (head_dim - 1) - pool.numel())]).view(rows, 1, head_dim - 1)
     key = torch.cat([torch.full((rows, 1, 1), QMAX[kv_dtype]), pool], dim=-1).to(dtype)
-    shape = (rows, 1, 1, head_dim + 2)
+    shape = (rows, 1, 1, head_dim + 1)
     k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     slots = torch.arange(rows)
@@ -348,6 +351,16 @@ def check_8bit_attention(backend, device, dtype, seq_lens, query_lens, kv_dtype=
     finally:
         backend.partition_size = None
     assert_close_to(out, torch.cat(want), dtype, f"{kv_dtype} cache, heads {heads}, head_dim {head_dim}")
+
+
+def check_8bit_nan_scale(backend, device, dtype, kv_dtype="int8"):
+    """The kernels decode scale code 255 as NaN: a read V row with it makes its sequence's output NaN."""
+    import attention_cases
+
+    meta, query, k_cache, v_cache = attention_cases.nan_scale_case(getattr(torch, kv_dtype), dtype)
+    with kernels_only("paged_attention"):
+        out = backend.attend(query.to(device), k_cache.to(device), v_cache.to(device), meta, 0.125)
+    attention_cases.assert_nan_scale_read(out.cpu().float())
 
 
 def check_write_then_attend(backend, device, dtype):
@@ -477,6 +490,12 @@ def test_8bit_cache_read_in_the_kernels(backend, kv_dtype, dtype, head_dim, head
     # decodes (one long enough for several partitions) and prefill chunks, none a multiple of the block size
     check_8bit_attention(backend, "cuda", dtype, [1, 17, 2100, 40, 95, 3], [1, 1, 1, 40, 30, 2], kv_dtype,
                          heads=heads, head_dim=head_dim)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_8bit_nan_scale_code_reads_as_nan(backend, kv_dtype, dtype):
+    check_8bit_nan_scale(backend, "cuda", dtype, kv_dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)

@@ -14,7 +14,7 @@ from plugin_helpers import assert_all_blocks_back, run
 
 from conftest import random_prompts
 from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.core.kv.kv_dtype import byte_view, is_quantized, split_cache
+from pagedkv.core.kv.kv_dtype import SCALE_NAN, byte_view, is_quantized, split_cache
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 FORKED = SamplingParams(max_tokens=12, ignore_eos=True, n=2)
@@ -25,7 +25,7 @@ def _fill(cache: torch.Tensor, head_dim: int, poison: bool) -> None:
         byte_view(cache).zero_()
     elif is_quantized(cache.dtype):  # junk values under a NaN scale
         byte_view(cache).fill_(77)
-        split_cache(cache, head_dim)[1].fill_(float("nan"))
+        split_cache(cache, head_dim)[1].fill_(SCALE_NAN)
     else:
         cache.fill_(float("nan"))
 

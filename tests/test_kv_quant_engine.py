@@ -50,8 +50,8 @@ def test_quantized_cache_is_allocated_small_and_stays_close_to_the_float_run(tin
                     model=tiny_llama)
     fp32 = Engine(EngineConfig(device="cpu", block_size=4, kv_cache_memory="1MiB"), model=tiny_llama)
     k_cache, _ = engine.runner.kv_caches[0]
-    assert k_cache.dtype == engine.spec.dtype and k_cache.shape[-1] == 16 + 2
-    assert engine.num_blocks / fp32.num_blocks == pytest.approx(4 * 16 / 18, rel=0.01)  # head_dim 16: 2 of 18 bytes
+    assert k_cache.dtype == engine.spec.dtype and k_cache.shape[-1] == 16 + 1
+    assert engine.num_blocks / fp32.num_blocks == pytest.approx(4 * 16 / 17, rel=0.01)  # head_dim 16: 1 of 17 bytes
     assert f"of {kv_dtype}" in engine.capacity_line()
     prompts = _prompts()
     got = [t[0] for t in _tokens(run(engine, prompts, GREEDY))]
@@ -126,7 +126,7 @@ def test_two_tensor_parallel_ranks_hold_their_heads_scales_and_match_one_process
     engine = Engine(EngineConfig(**settings, tensor_parallel_size=2), model=_tiny_llama(seed=2))
     try:
         k_cache, _ = engine.runner.kv_caches[0]
-        assert k_cache.shape[2:] == (1, 18) and k_cache.dtype == torch.int8  # 1 of 2 KV heads, each with a scale
+        assert k_cache.shape[2:] == (1, 17) and k_cache.dtype == torch.int8  # 1 of 2 KV heads, each with a scale
         assert _tokens(run(engine, prompts[:1], GREEDY) + run(engine, prompts, params)) == expected
         stats = engine.plugin_stats()
         assert stats["swap_outs"] > 0 and stats["prefix_hit_tokens"] > 0

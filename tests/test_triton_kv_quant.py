@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from attention_cases import make_case, reference  # noqa: E402
+from attention_cases import assert_nan_scale_read, make_case, nan_scale_case, reference  # noqa: E402
 
 from conftest import random_prompts  # noqa: E402
 from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -37,9 +37,13 @@ def test_write_kv_matches_the_reference_bit_for_bit(kv_dtype, block_size):
     value = torch.randn(tokens, heads, dim, generator=gen)
     key[2, 1] = 0.0  # an all-zero row: scale 0
     key[3, 0, :4] = torch.tensor([127.0, 2.5, -2.5, 0.5]) / 127 * key[3, 0].abs().max()  # near-ties
+    key[5, 2] = torch.linspace(-127.0, 127.0, dim) * 1.625  # amax / 127 on the scale grid: that scale itself
+    key[6, 0] = key[5, 2] * (1 + 2**-20)  # just above a grid point: the next code
+    key[7, 1] *= 1e-36  # amax / 127 below the smallest scale: the smallest code, 1
+    value[8, 1] *= 1e6  # above the largest scale (896): the largest code, clipped
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[4] = -1
-    caches = [torch.full((num_blocks, block_size, heads, dim + 2), 5, dtype=torch.int8).view(kv_dtype)
+    caches = [torch.full((num_blocks, block_size, heads, dim + 1), 5, dtype=torch.int8).view(kv_dtype)
               for _ in range(4)]
     write_kv(key, value, caches[0], caches[1], slots)
     reference_write_kv(key, value, caches[2], caches[3], slots)
@@ -50,7 +54,7 @@ def test_write_kv_matches_the_reference_bit_for_bit(kv_dtype, block_size):
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
 def test_copy_blocks_moves_values_and_scales(kv_dtype):
-    caches = [tuple(torch.randint(-128, 127, (5, 4, 2, 18), dtype=torch.int8).view(kv_dtype) for _ in range(2))
+    caches = [tuple(torch.randint(-128, 127, (5, 4, 2, 17), dtype=torch.int8).view(kv_dtype) for _ in range(2))
               for _ in range(2)]
     before = [(byte_view(k).clone(), byte_view(v).clone()) for k, v in caches]
     copy_blocks(caches, torch.tensor([[0, 3], [4, 1]]))
@@ -86,6 +90,15 @@ def test_mixed_batch_reads_the_dequantized_cache(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e5m2])
 def test_split_kv_decode_reads_the_dequantized_cache(kv_dtype):
     _check(kv_dtype, [70, 33, 5], [1, 1, 1], 16, split=3)
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+def test_a_row_with_the_nan_scale_code_reads_as_nan(kv_dtype):
+    meta, q, k_cache, v_cache = nan_scale_case(kv_dtype)
+    assert_nan_scale_read(paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.context_lens,
+                                          meta.query_start_loc, meta.max_query_len, 0.125, tile_n=16))
+    assert_nan_scale_read(split_kv_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, meta.max_seq_len, 0.125, 2, tile_n=16))
 
 
 def test_engine_on_triton_matches_the_torch_backend_on_an_int8_cache(tiny_llama):

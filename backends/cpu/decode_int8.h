@@ -19,17 +19,18 @@
 namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
 namespace pagedkv_int8 {
 
+// A row's scale is the E5M3 code in the byte after its values (core/kv/kv_dtype.py, SCALE_BIAS 22): float32
+// bits (code << 20) + ((127 - 22) << 23), exact; code 0 is a zero row, code 255 a non-finite one (NaN).
 inline float row_scale(const int8_t* row, int head_dim) {
-  uint16_t bits;
-  std::memcpy(&bits, row + head_dim, 2);
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  const uint32_t code = static_cast<uint8_t>(row[head_dim]);
+  const uint32_t bits = code == 0 ? 0u : code == 255 ? 0x7fc00000u : (code << 20) + (105u << 23);
   float f;
-  std::memcpy(&f, &wide, 4);
+  std::memcpy(&f, &bits, 4);
   return f;
 }
 
 // Bytes from one cache row (one token, one KV head) to the next: the values and the scale.
-inline int64_t row_bytes(int head_dim) { return head_dim + 2; }
+inline int64_t row_bytes(int head_dim) { return head_dim + 1; }
 
 constexpr int kKeys = 2 * kLanes;  // keys a step: two shuffle trees, one softmax update and rescale
 constexpr int kInt8MaxPass = 4;  // query heads per pass: GB scores x log2(kLanes) tree levels stay in registers

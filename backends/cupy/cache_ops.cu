@@ -1,5 +1,6 @@
 // KV-cache maintenance kernels: write_kv (reshape-and-cache) and copy_blocks.
 #include "common.cuh"
+#include "kv_row.cuh"
 
 // Scatter each token's K/V rows [num_kv_heads, head_dim] into cache slot
 // slot_mapping[t] (= block * block_size + offset); slot -1 is skipped.
@@ -40,10 +41,10 @@ __global__ void __launch_bounds__(256) pagedkv_copy_blocks(
 }
 
 // write_kv into an int8 cache (--kv-cache-dtype int8): each (token, KV head) row becomes head_dim int8
-// values and, in the two bytes after them, its bfloat16 scale (core/kv/kv_dtype.py), bit for bit as the torch
-// reference: scale = bf16_rne(amax / 127), q = rint(x / scale) clamped to +-127 (0 and scale 0 for a zero
-// row). Rows are head_dim + 2 bytes, so only 2-byte stores are aligned: one thread per row, which is
-// plenty for the few rows a step writes. Grid (num_tokens), 128 threads.
+// values and, in the byte after them, its E5M3 scale code (core/kv/kv_dtype.py; made, decoded and stored by
+// kv_row.cuh), bit for bit as the torch reference: q = rint(x / scale) clamped to +-127 (0 and code 0 for a
+// zero row). Rows are head_dim + 1 bytes, so stores are bytewise: one thread per row, which is plenty for
+// the few rows a step writes. Grid (num_tokens), 128 threads.
 template <typename DT>
 __global__ void __launch_bounds__(128) pagedkv_write_kv_int8(
     const typename DT::storage* __restrict__ key, const typename DT::storage* __restrict__ value,
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(128) pagedkv_write_kv_int8(
     const int t = blockIdx.x;
     const i64 slot = slot_mapping[t];
     if (slot < 0) return;
-    const int row = head_dim + 2;
+    const int row = pagedkv::kv_row_bytes(head_dim);
     for (int r = threadIdx.x; r < 2 * num_kv_heads; r += blockDim.x) {
         const int h = r % num_kv_heads;
         const bool is_v = r >= num_kv_heads;
@@ -63,14 +64,13 @@ __global__ void __launch_bounds__(128) pagedkv_write_kv_int8(
         signed char* dst = (is_v ? v_cache : k_cache) + (slot * num_kv_heads + h) * row;
         float amax = 0.0f;
         for (int d = 0; d < head_dim; ++d) amax = fmaxf(amax, fabsf(DT::to_float(src[d])));
-        unsigned int bits = __float_as_uint(amax / 127.0f);
-        bits = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
-        const float scale = __uint_as_float(bits);
-        const float divisor = scale > 0.0f ? scale : 1.0f;
+        const unsigned int code = pagedkv::kv_make_scale(amax, 127.0f);
+        const float scale = pagedkv::kv_scale_value(code);
+        const float divisor = scale > 0.0f ? scale : 1.0f;  // a zero or NaN scale divides by 1
         for (int d = 0; d < head_dim; ++d) {
             const float y = fminf(fmaxf(DT::to_float(src[d]) / divisor, -127.0f), 127.0f);
             dst[d] = static_cast<signed char>(rintf(y));
         }
-        *reinterpret_cast<unsigned short*>(dst + head_dim) = static_cast<unsigned short>(bits >> 16);
+        pagedkv::kv_store_scale(dst, head_dim, code);
     }
 }

@@ -14,14 +14,18 @@
 
 namespace pagedkv {
 
-// Bytes per (token, KV head) row of an 8-bit cache: the values, then a bfloat16 scale.
-__device__ __forceinline__ int kv_row_bytes(int head_dim) { return head_dim + 2; }
+// Bytes per (token, KV head) row of an 8-bit cache: the values, then a 1-byte E5M3 scale code.
+__device__ __forceinline__ int kv_row_bytes(int head_dim) { return head_dim + 1; }
 
-// The scale of one 8-bit row (little-endian bfloat16 after the values; read bytewise, any alignment).
+// An E5M3 scale code as its float32 scale, exactly (core/kv/kv_dtype.py, SCALE_BIAS 22): the bits are
+// (code << 20) + ((127 - 22) << 23); code 0 is a zero row's scale, code 255 a non-finite row's (NaN).
+__device__ __forceinline__ float kv_scale_value(unsigned int code) {
+    return __uint_as_float(code == 0u ? 0u : code == 255u ? 0x7fc00000u : (code << 20) + (105u << 23));
+}
+
+// The scale of one 8-bit row (the byte after the values).
 __device__ __forceinline__ float kv_row_scale(const signed char* row, int head_dim) {
-    const unsigned int lo = static_cast<unsigned char>(row[head_dim]);
-    const unsigned int hi = static_cast<unsigned char>(row[head_dim + 1]);
-    return __uint_as_float((lo | (hi << 8)) << 16);
+    return kv_scale_value(static_cast<unsigned char>(row[head_dim]));
 }
 
 // fp8 bytes as float, exactly. e5m2 is the high byte of an fp16; e4m3 (no infinities, S.1111.111 is NaN)
@@ -39,19 +43,21 @@ __device__ __forceinline__ float fp8_e4m3_to_float(unsigned char b) {
     return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
-// The scale of a row whose largest magnitude is amax, for an 8-bit format whose largest value is qmax:
-// bf16_rne(amax / qmax), 0 for a zero row.
-__device__ __forceinline__ float kv_make_scale(float amax, float qmax) {
-    unsigned int bits = __float_as_uint(amax / qmax);
-    bits = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
-    return __uint_as_float(bits);
+// The scale code of a row whose largest magnitude is amax, for an 8-bit format whose largest value is qmax:
+// float32(amax / qmax) rounded up to 3 mantissa bits and rebiased, clamped to [1, 254]; 0 for a zero row,
+// 255 for a non-finite one. Decode it with kv_scale_value.
+__device__ __forceinline__ unsigned int kv_make_scale(float amax, float qmax) {
+    const float a = amax / qmax;
+    const unsigned int bits = __float_as_uint(a);
+    if (a == 0.0f) return 0u;
+    if (bits >= 0x7f800000u) return 255u;
+    const int code = static_cast<int>((bits + 0xfffffu) >> 20) - (105 << 3);
+    return static_cast<unsigned int>(code < 1 ? 1 : code > 254 ? 254 : code);
 }
 
-// Store a scale made by kv_make_scale after the row's head_dim values (bytewise, any alignment).
-__device__ __forceinline__ void kv_store_scale(signed char* row, int head_dim, float scale) {
-    const unsigned int bits = __float_as_uint(scale) >> 16;
-    row[head_dim] = static_cast<signed char>(bits & 0xffu);
-    row[head_dim + 1] = static_cast<signed char>(bits >> 8);
+// Store a code made by kv_make_scale after the row's head_dim values.
+__device__ __forceinline__ void kv_store_scale(signed char* row, int head_dim, unsigned int code) {
+    row[head_dim] = static_cast<signed char>(static_cast<unsigned char>(code));
 }
 
 struct KvSame {};

@@ -48,12 +48,13 @@ __global__ void __launch_bounds__(128) pagedkv_write_kv_fp8(
         unsigned char* dst = (is_v ? v_cache : k_cache) + (slot * num_kv_heads + h) * row;
         float amax = 0.0f;
         for (int d = 0; d < head_dim; ++d) amax = fmaxf(amax, fabsf(DT::to_float(src[d])));
-        const float scale = kv_make_scale(amax, qmax);
-        const float divisor = scale > 0.0f ? scale : 1.0f;
+        const unsigned int code = kv_make_scale(amax, qmax);
+        const float scale = kv_scale_value(code);
+        const float divisor = scale > 0.0f ? scale : 1.0f;  // a zero or NaN scale divides by 1
         for (int d = 0; d < head_dim; ++d) {
             const float y = fminf(fmaxf(DT::to_float(src[d]) / divisor, -qmax), qmax);
             dst[d] = E4M3 ? fp8_from_float<3, 7>(y) : fp8_from_float<2, 15>(y);
         }
-        kv_store_scale(reinterpret_cast<signed char*>(dst), head_dim, scale);
+        kv_store_scale(reinterpret_cast<signed char*>(dst), head_dim, code);
     }
 }

@@ -6,9 +6,10 @@ head, so every K/V tile is read once for the whole GQA group) and walks the keys
 position is mapped to its physical block through the block table, so any cache
 block size works and a tile may span several blocks. Addresses are int64.
 
-An 8-bit cache (``QUANT``) is dequantized right after loading, each row times its bf16 scale (exact in
-fp32, as the torch reference). Everything is converted to fp32 right after loading: the interpreter computes
-bf16 arithmetic wrongly, and fp32 accumulation is what the GPU wants as well.
+An 8-bit cache (``QUANT``) is dequantized right after loading, each row times its scale, decoded from the
+row's E5M3 byte by integer operations (``e5m3_scale``; exact in fp32, as the torch reference). Everything
+is converted to fp32 right after loading: the interpreter computes bf16 arithmetic wrongly, and fp32
+accumulation is what the GPU wants as well.
 Scores are kept in base 2: ``q @ k^T`` is multiplied by ``qk_scale = scale * log2(e)``
 after the dot, so a 16-bit ``q`` stays exact when the dot runs in TF32 on a GPU.
 With softcapping the score is ``softcap * tanh(scale * q.k / softcap)``, so the
@@ -53,6 +54,17 @@ def interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(online_softmax_over_kv, InterpretedFunction)
+
+
+@triton.jit
+def e5m3_scale(code):
+    """An 8-bit row's scale byte (uint8) as its fp32 scale (``core/kv/kv_dtype.py``, SCALE_BIAS 22): the bits
+    are ``(code << 20) + ((127 - 22) << 23)``; code 0 reads as 0.0 (a zero row), 255 as NaN (a non-finite one)."""
+    c = code.to(tl.uint32)
+    bits = (c << 20) + (105 << 23)
+    bits = tl.where(c == 255, 0x7FC00000, bits)
+    bits = tl.where(c == 0, 0, bits)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -106,8 +118,8 @@ def _kv_tile(
     k_rows = block * stride_kb + in_block * stride_ks + k_head
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
     k = k.to(tl.float32)
-    if QUANT:  # an 8-bit row's bf16 scale follows its values (core/kv/kv_dtype.py): bf16 index = byte index / 2
-        k = k * tl.load(k_scale_ptr + (k_rows + HEAD_DIM) // 2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if QUANT:  # an 8-bit row's scale byte follows its values (core/kv/kv_dtype.py)
+        k = k * e5m3_scale(tl.load(k_scale_ptr + k_rows + HEAD_DIM, mask=n_mask, other=0))[:, None]
     s = _dot(q, tl.trans(k), IEEE)  # [BLOCK_M, TILE_N]
     if SOFTCAP:
         s = _tanh(s * qk_scale) * cap_log2e
@@ -126,7 +138,7 @@ def _kv_tile(
     v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)
     v = v.to(tl.float32)
     if QUANT:
-        v = v * tl.load(v_scale_ptr + (v_rows + HEAD_DIM) // 2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        v = v * e5m3_scale(tl.load(v_scale_ptr + v_rows + HEAD_DIM, mask=n_mask, other=0))[:, None]
     acc = acc * alpha[:, None] + _dot(p, v, IEEE)
     return acc, m_new, l_i
 
@@ -143,7 +155,7 @@ def online_softmax_over_kv(
     window,  # sliding window: a row sees keys > q_pos - window; 0 = no window
     k_cache_ptr,
     v_cache_ptr,
-    k_scale_ptr,  # with QUANT: the K cache's bytes as bfloat16 (each row's scale), else unused
+    k_scale_ptr,  # with QUANT: the K cache's bytes as uint8 (each row's scale code), else unused
     v_scale_ptr,
     block_table_ptr,  # this sequence's row of the block table
     kv_head,

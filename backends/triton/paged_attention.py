@@ -123,8 +123,8 @@ def use_ieee_dot(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def scale_view(cache: torch.Tensor) -> torch.Tensor:
-    """What the kernels read an 8-bit cache's row scales through: its bytes as bfloat16 (else the cache itself)."""
-    return cache.view(torch.bfloat16) if is_quantized(cache.dtype) else cache
+    """What the kernels read an 8-bit cache's row scales through: its bytes as uint8 (else the cache itself)."""
+    return cache.view(torch.uint8) if is_quantized(cache.dtype) else cache
 
 
 def score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:

@@ -5,9 +5,9 @@ No arithmetic touches the values: a row is loaded, converted to the cache dtype
 (a no-op when the dtypes match, so the write is bit-exact) and stored.
 
 An int8 cache (``QUANT``) quantizes in the same program, bit for bit as ``core/kv/kv_dtype.py``: the row's
-scale ``amax / 127`` rounded to bfloat16 by integer arithmetic (the interpreter's own cast truncates),
-``x / scale`` (IEEE-rounded division), clamped and rounded half to even, and the scale stored in the two
-bytes after the row. fp8 caches are written by the reference's op (the interpreter's fp8 casts do not round
+E5M3 scale code from ``amax / 127`` by integer arithmetic on its float32 bits (rounded up to 3 mantissa
+bits), ``x / scale`` (IEEE-rounded division), clamped and rounded half to even, and the code stored in the
+byte after the row. fp8 caches are written by the reference's op (the interpreter's fp8 casts do not round
 to nearest); the kernels read them.
 """
 
@@ -17,29 +17,32 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.backends.triton.attn_tile import max_along
+from pagedkv.backends.triton.attn_tile import e5m3_scale, max_along
 from pagedkv.core.kv.kv_dtype import is_quantized, row_width
 
 
 @triton.jit
-def _bf16_round(x):
-    """fp32 -> the nearest bfloat16 value (ties to even), still as fp32; x finite and >= 0."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
+def _scale_code(a):
+    """fp32 ``a >= 0`` -> the E5M3 code of the smallest scale on its grid >= a: the bits rounded up to 3 mantissa
+    bits and rebiased (SCALE_BIAS 22), clamped to [1, 254]; 0 for 0, 255 for inf/NaN."""
+    bits = a.to(tl.uint32, bitcast=True).to(tl.int64)
+    code = tl.minimum(tl.maximum(((bits + 0xFFFFF) >> 20) - (105 << 3), 1), 254)
+    code = tl.where(bits >= 0x7F800000, 255, code)
+    return tl.where(a == 0.0, 0, code)
 
 
 @triton.jit
 def _store_int8_rows(x, cache_ptr, scale_ptr, rows, offs_d, stride_d, mask, h_mask, HEAD_DIM: tl.constexpr):
-    """Quantize rows ``x`` ``[H_PAD, D_PAD]`` (masked lanes 0) into int8 values plus a bf16 scale each."""
+    """Quantize rows ``x`` ``[H_PAD, D_PAD]`` (masked lanes 0) into int8 values plus an E5M3 scale byte each."""
     x = x.to(tl.float32)
-    scale = _bf16_round(max_along(tl.abs(x), 1) / 127.0)
-    divisor = tl.where(scale > 0.0, scale, 1.0)
+    code = _scale_code(max_along(tl.abs(x), 1) / 127.0)
+    scale = e5m3_scale(code)
+    divisor = tl.where(scale > 0.0, scale, 1.0)  # a zero or NaN scale divides by 1
     y = tl.math.div_rn(x, divisor[:, None])
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
     y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |y| < 2**22 half to even in float32
     tl.store(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, y.to(tl.int8), mask=mask)
-    tl.store(scale_ptr + (rows + HEAD_DIM) // 2, scale.to(tl.bfloat16), mask=h_mask)
+    tl.store(scale_ptr + rows + HEAD_DIM, code.to(tl.uint8), mask=h_mask)
 
 
 @triton.jit
@@ -48,7 +51,7 @@ def _write_kv_kernel(
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    k_scale_ptr,  # with QUANT: the caches' bytes as bfloat16
+    k_scale_ptr,  # with QUANT: the caches' bytes as uint8 (each row's scale code)
     v_scale_ptr,
     slot_ptr,
     stride_kt,
@@ -108,7 +111,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` (any strides) into caches ``[num_blocks, block_size, Hkv, row]``
-    (``row``: ``D``, or ``D + 2`` for an 8-bit cache)."""
+    (``row``: ``D``, or ``D + 1`` for an 8-bit cache)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
@@ -129,8 +132,8 @@ def write_kv(
         value,
         k_cache,
         v_cache,
-        k_cache.view(torch.bfloat16) if quant else k_cache,
-        v_cache.view(torch.bfloat16) if quant else v_cache,
+        k_cache.view(torch.uint8) if quant else k_cache,
+        v_cache.view(torch.uint8) if quant else v_cache,
         slot_mapping,
         *key.stride(),
         *value.stride(),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ConfigError
-from pagedkv.core.kv.kv_dtype import is_quantized, kv_dtype_name, row_width
+from pagedkv.core.kv.kv_dtype import kv_dtype_name, row_width
 
 
 @dataclass(frozen=True)
@@ -18,11 +18,6 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # the storage dtype (``core/kv/kv_dtype.py``): the model's, a cast, or an 8-bit format
-
-    def __post_init__(self) -> None:
-        if is_quantized(self.dtype) and self.head_dim % 2:
-            raise ConfigError(f"an 8-bit KV cache needs an even head_dim (its bfloat16 scales follow the values), "
-                              f"the model has {self.head_dim}; use kv_cache_dtype auto or bfloat16")
 
     @classmethod
     def from_model_config(cls, hf_config: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -34,7 +29,7 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """K and V, every layer: ``2 * layers * block_size * kv_heads * row * dtype_size``, where a row is
-        ``head_dim`` values plus, for an 8-bit cache, its 2-byte scale."""
+        ``head_dim`` values plus, for an 8-bit cache, its 1-byte scale."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * itemsize
 
