@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import struct
 import subprocess
 import sys
 
@@ -226,6 +227,21 @@ def test_mmap_reader_matches_safetensors(tmp_path):
     save_file({"ids": torch.arange(4)}, tmp_path / "int.safetensors")
     with pytest.raises(ValueError, match="I64"):
         read_safetensors(tmp_path / "int.safetensors")
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00garbage" * 10,  # a header length of ~7e18: must not be read (MemoryError) or allocated
+    struct.pack("<Q", 4) + b"[1,2]",  # a header that is not an object
+    struct.pack("<Q", 40) + b'{"w": {"dtype": "F32", "shape": "x"}}   ',  # a malformed entry
+    struct.pack("<Q", 64) + b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}'.ljust(64) + b"\0" * 8,
+])
+def test_mmap_reader_refuses_a_corrupt_file_with_a_value_error(tmp_path, content):
+    from pagedkv.core.model.safetensors_mmap import read_safetensors
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ValueError):
+        read_safetensors(path)
 
 
 @pytest.mark.parametrize("values", [{"eos_token_id": 3}, {"temperature": 0.7, "top_k": 50, "max_new_tokens": 9}])

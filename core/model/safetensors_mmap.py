@@ -27,21 +27,28 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if len(head) != 8:
             raise ValueError(f"{path} is too short for a safetensors file")
         (length,) = struct.unpack("<Q", head)
+        if length > path.stat().st_size - 8:  # a corrupt file: never read (or allocate) past its end
+            raise ValueError(f"{path}: its header length {length} runs past the end of the file")
         header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: the header is not a JSON object")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     base = 8 + length
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(info["dtype"])
+        try:
+            dtype = _DTYPES.get(info["dtype"])
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry") from exc
         if dtype is None:
             raise ValueError(f"{name}: dtype {info['dtype']} is not read here")
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
         itemsize = torch.empty((), dtype=dtype).element_size()
         count = (end - begin) // itemsize
-        if count != (torch.Size(shape).numel()) or base + end > len(mapped):
+        if begin < 0 or count != (torch.Size(shape).numel()) or base + end > len(mapped):
             raise ValueError(f"{name}: offsets {begin}..{end} do not hold shape {shape}")
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin) if count else torch.empty(
             0, dtype=dtype)
