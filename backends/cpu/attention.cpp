@@ -438,6 +438,8 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
 
 #include "decode.h"
 #include "prefill.h"
+#include "linear.h"
+#include "llama_block.h"
 
 // Decode units (one query token) take the decode kernel, units of many query rows (prefill) the
 // prefill path, when the head dim is whole vectors; anything else the general run_unit.
@@ -489,6 +491,18 @@ extern "C" {
 int pagedkv_cpu_lanes() { return kLanes; }
 const char* pagedkv_cpu_isa() { return kIsaName; }
 
+// The packed fp32 linear (linear.h): the panel width its packed weights have, and y[rows, n] = x[rows, k]
+// W^T + bias (bias may be null). Returns 0, or nonzero for sizes it does not take.
+int pagedkv_cpu_linear_panel() { return kNr; }
+int pagedkv_cpu_linear(const float* x, int64_t rows, int64_t k, const float* packed, const float* bias, int64_t n,
+                       float* y, int threads) {
+  if (rows < 0 || k <= 0 || n <= 0 || k > INT32_MAX / kNr || n > INT32_MAX) return 1;
+  for (int64_t m = 0; m < rows; m += kRowChunk)
+    linear_chunk(x + m * k, static_cast<int>(std::min<int64_t>(kRowChunk, rows - m)), k, static_cast<int>(k),
+                 packed, bias, static_cast<int>(n), y + m * n, false, std::max(1, threads));
+  return 0;
+}
+
 // Returns 0 on success, nonzero for arguments the kernel does not handle. phases: which sequences
 // to compute (1: those with one query token, 2: those with more, 3: all); the others' output rows are
 // left alone, for the caller to fill (backend.py sends prefills to torch where that is faster).
@@ -527,6 +541,42 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
     dispatch_dim<float>(p, units, threads);
   else
     dispatch_dim<uint16_t>(p, units, threads);
+  return 0;
+}
+
+// A Llama layer's dense parts (llama_block.h). attention inputs: h [rows, d] -> qkv [rows, nq + 2 nkv] (q and k
+// rotated by cos/sin [rows, head_dim]), through xn [rows, d]; wqkv is [Wq; Wk; Wv] packed.
+int pagedkv_cpu_llama_attention_inputs(const float* h, int64_t rows, int64_t d, const float* norm_weight, float eps,
+                                       const float* wqkv, int64_t nq, int64_t nkv, int64_t head_dim,
+                                       const float* cos, const float* sin, float* xn, float* qkv, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || nkv <= 0 || head_dim <= 0 || head_dim % 2 != 0 || nq % head_dim != 0 ||
+      nkv % head_dim != 0 || d > INT32_MAX / kNr || nq + 2 * nkv > INT32_MAX)
+    return 1;
+  threads = std::max(1, threads);
+  const int width = static_cast<int>(nq + 2 * nkv), dim = static_cast<int>(head_dim);
+  rms_norm_rows(h, rows, static_cast<int>(d), norm_weight, eps, xn, threads);
+  linear_rows_all(xn, d, rows, static_cast<int>(d), wqkv, width, qkv, false, threads);
+  const int rotated = static_cast<int>((nq + nkv) / head_dim);  // q's heads, then k's, side by side in a row
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= kParallelRows)
+  for (int64_t t = 0; t < rows; ++t) rotate_heads(qkv + t * width, rotated, dim, cos + t * dim, sin + t * dim);
+  return 0;
+}
+
+// MLP block: h [rows, d] += attn [rows, nq] Wo^T; xn = RMSNorm(h); gu = xn [Wg; Wu]^T [rows, 2 inter];
+// h += (SiLU(gate) * up) Wd^T. h is updated in place; xn and gu are scratch.
+int pagedkv_cpu_llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, int64_t nq, const float* wo,
+                          const float* norm_weight, float eps, const float* wgu, int64_t inter, const float* wdown,
+                          float* xn, float* gu, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || inter <= 0 || d > INT32_MAX / kNr || nq > INT32_MAX / kNr ||
+      inter > INT32_MAX / kNr)
+    return 1;
+  threads = std::max(1, threads);
+  const int dim = static_cast<int>(d), mid = static_cast<int>(inter);
+  linear_rows_all(attn, nq, rows, static_cast<int>(nq), wo, dim, h, true, threads);
+  rms_norm_rows(h, rows, dim, norm_weight, eps, xn, threads);
+  linear_rows_all(xn, d, rows, dim, wgu, 2 * mid, gu, false, threads);
+  silu_mul_rows(gu, rows, mid, threads);
+  linear_rows_all(gu, 2 * inter, rows, mid, wdown, dim, h, true, threads);
   return 0;
 }
 

@@ -1,4 +1,5 @@
-"""The CPU backend: paged attention by a small compiled kernel, cache ops from the reference."""
+"""The CPU backend: paged attention by a small compiled kernel, cache ops from the reference, and the model's fp32
+linears by the same library (``linear.h``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import torch
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
-from pagedkv.backends.cpu.route_table import TORCH, Routes
+from pagedkv.backends.cpu.linear import CpuLinearKernel, usable
+from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
+from pagedkv.backends.cpu.llama_layers import usable as layers_usable
+from pagedkv.backends.cpu.route_table import KERNEL, TORCH, Routes
 from pagedkv.backends.cpu.torch_prefill import attend_prefills
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
@@ -32,6 +36,11 @@ class CpuBackend(TorchBackend):
         super().__init__("cpu")
         self.lib = lib if lib is not None else build.load()
         self.routes = routes if routes is not None else Routes()
+        # the model runner's fp32 linears (pagedkv.core.model.cpu_linear.HasLinearKernel)
+        self.linear_kernel = CpuLinearKernel(self.lib) if self.routes.linear == KERNEL and usable(self.lib) else None
+        # pagedkv's own Llama: its layers' dense parts (pagedkv.core.model.llama_model.HasLlamaLayerKernel)
+        self.llama_layer_kernel = (CpuLlamaLayers(self.lib, self.linear_kernel)
+                                   if self.linear_kernel is not None and layers_usable(self.lib) else None)
 
     def attend(
         self,

@@ -31,7 +31,8 @@ from pathlib import Path
 log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
-HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h")  # included by SOURCE: part of the cache key
+# included by SOURCE: part of the cache key
+HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h", "llama_block.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
 X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
@@ -169,6 +170,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             p, i64, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
         ]
         lib.pagedkv_cpu_decode_int8.restype = i32
+    if hasattr(lib, "pagedkv_cpu_linear"):  # (absent from libraries built before the packed linear)
+        lib.pagedkv_cpu_linear_panel.argtypes = []
+        lib.pagedkv_cpu_linear_panel.restype = i32
+        lib.pagedkv_cpu_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+        lib.pagedkv_cpu_linear.restype = i32
+    if hasattr(lib, "pagedkv_cpu_llama_mlp"):  # (absent from libraries built before the fused Llama layer)
+        lib.pagedkv_cpu_llama_attention_inputs.argtypes = [p, i64, i64, p, f32, p, i64, i64, i64, p, p, p, p, i32]
+        lib.pagedkv_cpu_llama_attention_inputs.restype = i32
+        lib.pagedkv_cpu_llama_mlp.argtypes = [p, i64, i64, p, i64, p, p, f32, p, i64, p, p, p, i32]
+        lib.pagedkv_cpu_llama_mlp.restype = i32
     return lib
 
 

@@ -13,3 +13,4 @@ class Routes:
 
     decode: str = KERNEL
     prefill: str = KERNEL
+    linear: str = KERNEL  # the model's fp32 linears: the kernel's (linear.h), or "torch" (oneDNN / MKL)

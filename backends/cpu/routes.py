@@ -24,6 +24,9 @@ from pagedkv.backends.cpu.route_table import KERNEL, TORCH, Routes
 log = logging.getLogger("pagedkv")
 
 FAST_BY_FEATURES = ("avx512", "avx2")
+# Builds whose linear kernel (linear.h) is known to beat oneDNN: AVX2, measured on the Zen 3 at 1-512 rows
+# (benchmarks/JOURNAL.md, 2026-12-01). Every other build, AVX-512 included, measures it once against oneDNN.
+LINEAR_BY_FEATURES = ("avx2",)
 
 
 def default_routes(lib) -> Routes:  # noqa: ANN001 - a ctypes library from build.load
@@ -38,16 +41,17 @@ def default_routes(lib) -> Routes:  # noqa: ANN001 - a ctypes library from build
 
 def routes_for(lib, isa: str, cache_file: Path | None) -> Routes:  # noqa: ANN001 - a ctypes library
     """The routes of the ``isa`` build: by features, else the cached (or a fresh) micro-benchmark."""
-    if isa in FAST_BY_FEATURES:
+    attention_known, linear_known = isa in FAST_BY_FEATURES, isa in LINEAR_BY_FEATURES
+    if attention_known and linear_known:
         return Routes()
     if cache_file is not None and cache_file.exists():
         try:
             return Routes(**json.loads(cache_file.read_text()))
         except (ValueError, TypeError):
             log.warning("pagedkv: ignoring an unreadable kernel route cache %s", cache_file)
-    routes = measure(lib)
-    log.info("pagedkv: the %s CPU attention build runs decode by %s, prefill by %s (measured once)",
-             isa, routes.decode, routes.prefill)
+    routes = measure(lib, attention=not attention_known, linear=not linear_known)
+    log.info("pagedkv: the %s CPU kernel build runs decode by %s, prefill by %s, linears by %s (measured once)",
+             isa, routes.decode, routes.prefill, routes.linear)
     if cache_file is not None:
         tmp = cache_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(routes)))
@@ -55,9 +59,20 @@ def routes_for(lib, isa: str, cache_file: Path | None) -> Routes:  # noqa: ANN00
     return routes
 
 
-def measure(lib, repeats: int = 3) -> Routes:  # noqa: ANN001
-    """Kernel against reference, best of ``repeats`` (wall clock, alternating), on a prefill (1 x 512 tokens)
-    and a decode (16 x 256 context) of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64)."""
+def measure(lib, repeats: int = 3, attention: bool = True, linear: bool = True) -> Routes:  # noqa: ANN001
+    """Kernel against reference, best of ``repeats`` (wall clock, alternating). Attention on a prefill
+    (1 x 512 tokens) and a decode (16 x 256 context) of SmolLM2's attention shape (9 query heads, 3 KV heads,
+    head dim 64); linears on 4 and 32 rows through 24 of SmolLM2's 1536 x 576 weights (85 MB: from memory, as
+    in a step) against oneDNN (MKL without it). A phase not measured keeps the kernel."""
+    verdict = {}
+    if attention:
+        verdict.update(_measure_attention(lib, repeats))
+    if linear:
+        verdict["linear"] = _measure_linear(lib, repeats)
+    return Routes(**verdict)
+
+
+def _measure_attention(lib, repeats: int) -> dict[str, str]:  # noqa: ANN001
     from pagedkv.backends.cpu.backend import CpuBackend
     from pagedkv.backends.torch_ref import TorchBackend
 
@@ -68,15 +83,47 @@ def measure(lib, repeats: int = 3) -> Routes:  # noqa: ANN001
         kernel.attend(*case), ref.attend(*case)  # warm
         times = {"kernel": float("inf"), "torch": float("inf")}
         for _ in range(repeats):  # alternating, best of each: a neighbour's burst hits both alike
-            times["kernel"] = min(times["kernel"], _seconds(kernel, case))
-            times["torch"] = min(times["torch"], _seconds(ref, case))
+            times["kernel"] = min(times["kernel"], _seconds(kernel.attend, case))
+            times["torch"] = min(times["torch"], _seconds(ref.attend, case))
         verdict[phase] = KERNEL if times["kernel"] <= times["torch"] else TORCH
-    return Routes(**verdict)
+    return verdict
 
 
-def _seconds(backend, case) -> float:  # noqa: ANN001
+def _measure_linear(lib, repeats: int) -> str:  # noqa: ANN001
+    from pagedkv.backends.cpu.linear import CpuLinearKernel, usable
+    from pagedkv.core.model import cpu_linear
+
+    if not usable(lib):
+        return TORCH
+    kernel = CpuLinearKernel(lib)
+    weights = [torch.full((1536, 576), 0.01) for _ in range(24)]
+    ours = [kernel.pack(w) for w in weights]
+    onednn = [cpu_linear._pack(w) for w in weights] if cpu_linear.available() else None
+
+    def run_ours(x: torch.Tensor) -> None:
+        for pack in ours:
+            kernel.linear(x, pack, None, 1536)
+
+    def run_torch(x: torch.Tensor) -> None:
+        for w, pack in zip(weights, onednn or weights):
+            if onednn is None:
+                torch.nn.functional.linear(x, w)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, pack, None, "none", [], "")
+
+    for rows in (4, 32):
+        x = torch.full((rows, 576), 0.5)
+        run_ours(x), run_torch(x)  # warm
+        best_ours = min(_seconds(run_ours, (x,)) for _ in range(repeats))
+        best_torch = min(_seconds(run_torch, (x,)) for _ in range(repeats))
+        if best_ours > best_torch:
+            return TORCH
+    return KERNEL
+
+
+def _seconds(fn, args) -> float:  # noqa: ANN001
     started = time.perf_counter()
-    backend.attend(*case)
+    fn(*args)
     return time.perf_counter() - started
 
 

@@ -15,6 +15,11 @@ to transformers in the tests.
 model runner's forward); any other caller of the model, e.g. transformers ``generate``
 on the same instance, gets plain ``nn.Linear`` arithmetic. The packed copy costs the
 memory of the weights once more.
+
+A backend may offer its own kernel for these products (a :class:`LinearKernel`, declared by
+:class:`HasLinearKernel`): the cpu backend's ``linear.h`` streams the weights better than oneDNN at
+decode sizes. The runner then passes it to :func:`packed_linears`, and the weights are packed in that
+kernel's layout instead of oneDNN's.
 """
 
 from __future__ import annotations
@@ -23,14 +28,35 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from pagedkv.core.limits import available_memory
 
 log = logging.getLogger("pagedkv")
-_ACTIVE: ContextVar[bool] = ContextVar("pagedkv_packed_linears", default=False)
+
+@runtime_checkable
+class LinearKernel(Protocol):
+    """A backend's fp32 CPU linear ``y = x W^T + b`` on a weight it packed once in its own layout."""
+
+    name: str  # identifies the packed layout: a pack is remade for a kernel of another name
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HasLinearKernel(Protocol):
+    """An attention backend that also offers the linears' kernel (None when it has none for this machine)."""
+
+    linear_kernel: LinearKernel | None
+
+
+ONEDNN = "onednn"  # the packing when no backend kernel is given
+_ACTIVE: ContextVar[LinearKernel | str | None] = ContextVar("pagedkv_packed_linears", default=None)
 # A single row is a matrix-vector product, bound by reading the weight; there MKL's gemv is a few % faster
 # than oneDNN (whose call costs ~10 us more); from 2 rows on oneDNN wins (measured on SmolLM2's layers).
 MIN_ROWS = 2
@@ -53,11 +79,17 @@ class PackedLinear(torch.nn.Linear):
     _pack_key: tuple | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own parameter name
-        if (_ACTIVE.get() and input.dtype == torch.float32 and input.device.type == "cpu"
-                and input.numel() >= MIN_ROWS * input.shape[-1]):
-            pack = self.packed_weight()
-            if pack is not None:
-                return torch.ops.mkldnn._linear_pointwise(input, pack, self.bias, "none", [], "")
+        packing = _ACTIVE.get()
+        if packing is not None and input.dtype == torch.float32 and input.device.type == "cpu":
+            if packing == ONEDNN:
+                if input.numel() >= MIN_ROWS * input.shape[-1]:
+                    pack = self.packed_weight()
+                    if pack is not None:
+                        return torch.ops.mkldnn._linear_pointwise(input, pack, self.bias, "none", [], "")
+            elif self.bias is None or self.bias.dtype == torch.float32:
+                pack = self.packed_weight(packing)
+                if pack is not None:
+                    return packing.linear(input, pack, self.bias, self.out_features)
         return super().forward(input)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -68,23 +100,27 @@ class PackedLinear(torch.nn.Linear):
         state.pop("_pack_key", None)
         return state
 
-    def packed_weight(self) -> torch.Tensor | None:
-        """The packed weight, (re)made if the weight changed; None when the weight is not fp32 on the CPU."""
+    def packed_weight(self, kernel: LinearKernel | None = None) -> torch.Tensor | None:
+        """The weight packed for ``kernel`` (default oneDNN), (re)made if the weight or the kernel changed;
+        None when the weight is not fp32 on the CPU."""
         weight = self.weight
-        key = _weight_key(weight)
+        key = (_weight_key(weight), ONEDNN if kernel is None else kernel.name)
         if key != self._pack_key:
-            self._pack = _pack(weight) if _packable(weight) else None
+            self._pack = None  # (the old pack is let go before the new one is made)
+            if _packable(weight):
+                with torch.no_grad():
+                    self._pack = _pack(weight) if kernel is None else kernel.pack(weight.detach().contiguous())
             self._pack_key = key
         return self._pack
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, kernel: LinearKernel | None = None) -> int:
     """Make every fp32 CPU ``nn.Linear`` of ``model`` a :class:`PackedLinear`, whose weight is packed at its
     first multi-row call inside :func:`packed_linears` (not here: packing every weight at once was seconds of
     engine start-up, and a server that never steps never needs it); returns how many linears will pack (0
-    without oneDNN, or when the packed copies would not fit in the memory available now: then one log line,
-    and the model runs as it is). Idempotent."""
-    if not available():
+    without oneDNN or a ``kernel``, or when the packed copies would not fit in the memory available now: then
+    one log line, and the model runs as it is). Idempotent."""
+    if kernel is None and not available():
         return 0
     todo = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in todo)
@@ -106,9 +142,10 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 @contextmanager
-def packed_linears(enabled: bool = True) -> Iterator[None]:
-    """Within this block (and this thread/context), :class:`PackedLinear` modules use their packed weights."""
-    token = _ACTIVE.set(enabled)
+def packed_linears(enabled: bool = True, kernel: LinearKernel | None = None) -> Iterator[None]:
+    """Within this block (and this thread/context), :class:`PackedLinear` modules use their packed weights:
+    ``kernel``'s when given, else oneDNN's."""
+    token = _ACTIVE.set((kernel or ONEDNN) if enabled else None)
     try:
         yield
     finally:

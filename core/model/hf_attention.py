@@ -30,6 +30,18 @@ class StepContext:
     meta: AttentionMetadata
     backend: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    layer_kernel: Any = None  # pagedkv's own Llama: the backend's LlamaLayerKernel, if it offers one
+
+
+def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    step: StepContext, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One layer's attention on packed ``q`` ``[T, H, D]`` and new ``k``/``v`` ``[T, Hkv, D]``: write them to the
+    layer's cache, attend through it; ``[T, H, D]``."""
+    k_cache, v_cache = step.kv_caches[layer_idx]
+    step.backend.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
+    if window is None and softcap is None:
+        return step.backend.attend(q, k_cache, v_cache, step.meta, scale)
+    return step.backend.attend(q, k_cache, v_cache, step.meta, scale, window=window, softcap=softcap)
 
 
 def paged_attention_forward(
@@ -46,20 +58,13 @@ def paged_attention_forward(
     step: StepContext | None = kwargs.get("pagedkv_step")
     if step is None:
         raise RuntimeError("the pagedkv attention was called without a step context; run the model via pagedkv")
-    k_cache, v_cache = step.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    step.backend.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     # transformers tells each layer its own window (Gemma 2/3 alternate) and softcap; check_model_support
     # made sure at load that these agree with the config, so they are exactly what its masks would do.
-    window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    if window is None and softcap is None:
-        out = step.backend.attend(q, k_cache, v_cache, step.meta, scale)
-    else:
-        out = step.backend.attend(q, k_cache, v_cache, step.meta, scale, window=window, softcap=softcap)
+    out = paged_attention(module.layer_idx, q, k, v, scale, step, kwargs.get("sliding_window"), kwargs.get("softcap"))
     return out.unsqueeze(0), None
 
 

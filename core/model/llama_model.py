@@ -13,12 +13,34 @@ them. Which checkpoints take this path: :mod:`pagedkv.core.model.native_config`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from pagedkv.core.model.hf_attention import paged_attention_forward
+from pagedkv.core.model.hf_attention import paged_attention, paged_attention_forward
+
+
+@runtime_checkable
+class LlamaLayerKernel(Protocol):
+    """A backend's fused dense parts of a :class:`DecoderLayer` (the cpu backend's ``llama_block.h``). It reads
+    the layer's parameters by their checkpoint names (``self_attn.q_proj.weight``, ...); the attention between
+    its two calls stays the engine's (``paged_attention``). Its results equal the op-by-op layer's up to
+    rounding, not bit for bit."""
+
+    def accepts(self, layer: DecoderLayer, h: torch.Tensor) -> bool: ...
+
+    def attention_inputs(self, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def mlp(self, layer: DecoderLayer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HasLlamaLayerKernel(Protocol):
+    """An attention backend that also offers the fused layer (None when it has none for this machine)."""
+
+    llama_layer_kernel: LlamaLayerKernel | None
 
 
 @dataclass
@@ -100,6 +122,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Any) -> torch.Tensor:
+        kernel = None if step is None else step.layer_kernel
+        if kernel is not None and kernel.accepts(self, h):
+            q, k, v = kernel.attention_inputs(self, h, cos, sin)
+            out = paged_attention(self.self_attn.layer_idx, q, k, v, self.self_attn.scaling, step)
+            return kernel.mlp(self, h, out)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 

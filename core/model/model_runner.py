@@ -15,8 +15,10 @@ import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
-from pagedkv.core.model.cpu_linear import pack_linears, packed_linears
+from pagedkv.core.model.cpu_linear import HasLinearKernel, pack_linears, packed_linears
 from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, register_attention
+from pagedkv.core.model.llama_model import HasLlamaLayerKernel
+from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_support import check_model_support
 from pagedkv.core.sample.logprobs import prompt_logprob_span
 from pagedkv.core.sched.scheduler import SchedulerOutput
@@ -56,10 +58,15 @@ class ModelRunner:
         self.device = device
         with phase(f"KV cache allocated ({num_blocks} blocks)"):
             self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
-        # fp32 linears on the CPU through oneDNN with packed weights: the bulk of a CPU step
-        # (pagedkv.core.model.cpu_linear); after the KV cache, which has the first claim on memory
+        # fp32 linears on the CPU with packed weights, by the backend's kernel where it offers one, else
+        # oneDNN: the bulk of a CPU step (pagedkv.core.model.cpu_linear); after the KV cache, which has the
+        # first claim on memory
+        self.linear_kernel = backend.linear_kernel if isinstance(backend, HasLinearKernel) else None
+        # pagedkv's own Llama on the CPU: the layers' dense parts fused by the backend, where it offers that
+        self.layer_kernel = (backend.llama_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
+                             and isinstance(backend, HasLlamaLayerKernel) else None)
         with phase("linear layers set to pack at first use"):
-            self.packed_linears = device == "cpu" and pack_linears(model) > 0
+            self.packed_linears = device == "cpu" and pack_linears(model, self.linear_kernel) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
         self.cpu_kv_caches = swap_space.host_kv_caches(spec, device) if swap_space is not None else None
 
@@ -113,8 +120,8 @@ class ModelRunner:
             pairs = torch.tensor(batch.block_copies, dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_caches, pairs)
         meta = self.build_metadata(batch)
-        step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches)
-        with packed_linears(self.packed_linears):
+        step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches, layer_kernel=self.layer_kernel)
+        with packed_linears(self.packed_linears, self.linear_kernel):
             result = self.model(
                 input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
                 position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
