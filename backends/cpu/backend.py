@@ -42,6 +42,24 @@ class CpuBackend(TorchBackend):
         self.llama_layer_kernel = (CpuLlamaLayers(self.lib, self.linear_kernel)
                                    if self.linear_kernel is not None and layers_usable(self.lib) else None)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """fp32 / bf16 rows into a cache of their own dtype by one kernel call (each token's heads contiguous, as
+        the model's projections give them); anything else (8-bit caches, a cast) by the reference."""
+        if (k_cache.dtype in _DTYPES and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+                and k_cache.device.type == "cpu" and key.device.type == "cpu" and slot_mapping.dtype == torch.int64
+                and hasattr(self.lib, "pagedkv_cpu_write_kv") and _rows_contiguous(key) and _rows_contiguous(value)
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()
+                and key.shape[1:] == value.shape[1:] == k_cache.shape[2:]
+                and key.shape[0] == value.shape[0] == slot_mapping.shape[0]):
+            rc = self.lib.pagedkv_cpu_write_kv(
+                _DTYPES[k_cache.dtype], key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                key.shape[1] * key.shape[2], k_cache.shape[0] * k_cache.shape[1])
+            if rc == 0:
+                return
+        super().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -143,3 +161,8 @@ def _index_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
         )
         meta.backend_cache["cpu.index"] = cached
     return cached
+
+
+def _rows_contiguous(rows: torch.Tensor) -> bool:
+    """``[T, H, D]`` whose every token's ``H x D`` elements are one contiguous stretch."""
+    return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]

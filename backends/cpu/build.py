@@ -170,6 +170,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             p, i64, i64, p, p, p, p, i64, p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
         ]
         lib.pagedkv_cpu_decode_int8.restype = i32
+    if hasattr(lib, "pagedkv_cpu_write_kv"):  # (absent from libraries built before it)
+        lib.pagedkv_cpu_write_kv.argtypes = [i32, p, i64, p, i64, p, p, p, i64, i64, i64]
+        lib.pagedkv_cpu_write_kv.restype = i32
     if hasattr(lib, "pagedkv_cpu_linear"):  # (absent from libraries built before the packed linear)
         lib.pagedkv_cpu_linear_panel.argtypes = []
         lib.pagedkv_cpu_linear_panel.restype = i32
