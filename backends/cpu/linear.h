@@ -11,8 +11,9 @@
 // and each k step of it is whole vectors: the micro-kernel keeps a kMr x kNr tile of y in registers
 // (AVX2: 6 x 16 = 12 accumulators + 2 weight vectors + 1 broadcast of the 16 ymm registers; AVX-512:
 // 12 x 32 = 24 + 2 + 1 of 32 zmm), reads each weight vector once per kMr rows and each x element once
-// per panel. Threads take contiguous ranges of panels, so each streams its own part of the weight;
-// the rows of x (a few KB to a few hundred KB) stay in the core's L2 and are reread for every panel.
+// per panel. Threads take groups of kGroup neighbouring panels, contiguous ranges of them, so each
+// streams its own part of the weight; the rows of x (a few KB to a few hundred KB) stay in the core's L2
+// and are reread for every panel.
 // Beyond kRowChunk rows, x no longer fits there, so longer inputs are multiplied kRowChunk rows at a time.
 //
 // Every output is one fp32 sum over k in order (fused multiply-adds), like a dot product, so results
@@ -24,46 +25,100 @@ constexpr int kNr = 2 * kLanes;                 // output columns of a panel: tw
 constexpr int kMr = kRegisters >= 32 ? 12 : 6;  // rows of the register tile
 constexpr int kRowChunk = 64;                   // rows multiplied per pass over the weight
 
-template <int MR>
-inline void linear_tile(const float* x, int64_t ldx, const float* w, int K, const float* bias, float* y,
-                        int64_t ldy, int ncols, bool accumulate) {
-  vfloat lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = vfloat{};
+// Output columns per group of panels a thread takes at once, and the accumulator registers a tile may use.
+constexpr int kGroup = 4;
+constexpr int kAccumulators = kRegisters >= 32 ? 24 : 12;
+// Panels a tile of `rows` rows spans: the rows left over after the full kMr-row tiles (a decode step of
+// 1-5 sequences is only such rows) would leave the FMA units waiting on too few accumulators with one
+// panel, so they take 2 or 4 panels side by side (also 2-4 weight streams in flight instead of one).
+constexpr int panels_for(int rows) {
+  return rows * 2 * 4 <= kAccumulators ? 4 : (rows * 2 * 2 <= kAccumulators ? 2 : 1);
+}
+// How far ahead (floats) a tile's first pass over its panels prefetches them: 4 KB, the next page.
+constexpr int kPrefetch = 1024;
+
+template <int MR, int NP>
+inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int K, const float* bias,
+                        float* y, int64_t ldy, int ncols, bool accumulate, bool prefetch) {
+  vfloat acc[MR][NP][2];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = vfloat{};
+  prefetch = prefetch && MR >= 4;  // (measured: the 1-3 row tiles stream faster without)
   for (int k = 0; k < K; ++k) {
-    const vfloat w0 = load(w + static_cast<int64_t>(k) * kNr), w1 = load(w + static_cast<int64_t>(k) * kNr + kLanes);
-    for (int r = 0; r < MR; ++r) {
-      const vfloat b = splat(x[r * ldx + k]);
-      lo[r] += b * w0;
-      hi[r] += b * w1;
+    for (int p = 0; p < NP; ++p) {
+      const float* wk = w + p * panel_stride + static_cast<int64_t>(k) * kNr;
+      if (prefetch) __builtin_prefetch(wk + kPrefetch);
+      const vfloat w0 = load(wk), w1 = load(wk + kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const vfloat b = splat(x[r * ldx + k]);
+        acc[r][p][0] += b * w0;
+        acc[r][p][1] += b * w1;
+      }
     }
   }
-  float bias_row[kNr] = {};
-  if (bias != nullptr) std::memcpy(bias_row, bias, ncols * sizeof(float));
-  for (int r = 0; r < MR; ++r) {
-    float row[kNr] = {};
-    if (accumulate) std::memcpy(row, y + r * ldy, ncols * sizeof(float));
-    store(row, load(row) + (lo[r] + load(bias_row)));
-    store(row + kLanes, load(row + kLanes) + (hi[r] + load(bias_row + kLanes)));
-    std::memcpy(y + r * ldy, row, ncols * sizeof(float));
+  for (int p = 0; p < NP && p * kNr < ncols; ++p) {
+    const int cols = std::min(kNr, ncols - p * kNr);
+    float bias_row[kNr] = {};
+    if (bias != nullptr) std::memcpy(bias_row, bias + p * kNr, cols * sizeof(float));
+    for (int r = 0; r < MR; ++r) {
+      float* out = y + r * ldy + p * kNr;
+      float row[kNr] = {};
+      if (accumulate) std::memcpy(row, out, cols * sizeof(float));
+      store(row, load(row) + (acc[r][p][0] + load(bias_row)));
+      store(row + kLanes, load(row + kLanes) + (acc[r][p][1] + load(bias_row + kLanes)));
+      std::memcpy(out, row, cols * sizeof(float));
+    }
+  }
+}
+
+// The rows of one group of `panels` panels (ncols columns) from row m0 on: full kMr-row tiles, then the rest.
+struct GroupArgs {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t panel_stride;
+  int K;
+  const float* bias;
+  float* y;
+  int64_t ldy;
+  int ncols;
+  int panels;
+  bool accumulate;
+};
+
+template <int MR, int NP>
+inline void group_tiles(const GroupArgs& g, int m0, bool prefetch) {
+  const float* x = g.x + m0 * g.ldx;
+  float* y = g.y + m0 * g.ldy;
+  const int step = g.panels % NP == 0 ? NP : 1;  // a group at the weight's end may have fewer panels
+  for (int p = 0; p < g.panels; p += step) {
+    const float* bias = g.bias == nullptr ? nullptr : g.bias + p * kNr;
+    if (step == NP)
+      linear_tile<MR, NP>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
+                          g.ncols - p * kNr, g.accumulate, prefetch);
+    else
+      linear_tile<MR, 1>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
+                         g.ncols - p * kNr, g.accumulate, prefetch);
   }
 }
 
 template <int... R>
-inline void linear_rows(int rows, std::integer_sequence<int, R...>, const float* x, int64_t ldx, const float* w,
-                        int K, const float* bias, float* y, int64_t ldy, int ncols, bool accumulate) {
-  ((rows == R + 1 ? linear_tile<R + 1>(x, ldx, w, K, bias, y, ldy, ncols, accumulate) : void()), ...);
+inline void rest_tiles(int rows, std::integer_sequence<int, R...>, const GroupArgs& g, int m0) {
+  ((rows == R + 1 ? group_tiles<R + 1, panels_for(R + 1)>(g, m0, m0 == 0) : void()), ...);
 }
 
 // y[M, N] (+)= x[M, K] W^T + bias for up to kRowChunk rows, x's rows ldx apart; wp is the packed weight.
 inline void linear_chunk(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                          float* y, bool accumulate, int threads) {
-  const int panels = (N + kNr - 1) / kNr;
+  const int panels = (N + kNr - 1) / kNr, groups = (panels + kGroup - 1) / kGroup;
+  const int64_t panel_stride = static_cast<int64_t>(K) * kNr;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int p = 0; p < panels; ++p) {
-    const float* w = wp + static_cast<int64_t>(p) * K * kNr;
-    const int n0 = p * kNr, ncols = std::min(kNr, N - n0);
-    for (int m0 = 0; m0 < M; m0 += kMr)
-      linear_rows(std::min(kMr, M - m0), std::make_integer_sequence<int, kMr>{}, x + m0 * ldx, ldx, w, K,
-                  bias == nullptr ? nullptr : bias + n0, y + static_cast<int64_t>(m0) * N + n0, N, ncols, accumulate);
+  for (int gi = 0; gi < groups; ++gi) {
+    const int p0 = gi * kGroup, n0 = p0 * kNr;
+    const GroupArgs g{x, ldx, wp + p0 * panel_stride, panel_stride, K, bias == nullptr ? nullptr : bias + n0,
+                      y + n0, N, std::min(kGroup * kNr, N - n0), std::min(kGroup, panels - p0), accumulate};
+    int m0 = 0;
+    for (; m0 + kMr <= M; m0 += kMr) group_tiles<kMr, 1>(g, m0, m0 == 0);
+    if (m0 < M) rest_tiles(M - m0, std::make_integer_sequence<int, kMr - 1>{}, g, m0);
   }
 }
