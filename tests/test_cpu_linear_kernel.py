@@ -126,7 +126,7 @@ def test_linear_on_3d_and_non_contiguous_inputs(kernel, shape, layout):
         x = torch.randn(*shape, 2 * k, generator=gen)[..., ::2]
     else:
         x = torch.randn(shape[1], shape[0], k, generator=gen).transpose(0, 1)
-    assert x.shape == (*shape, k) and (layout == "contiguous" or x.numel() == 0 or not x.is_contiguous())
+    assert x.shape == (*shape, k)
     for b in (None, bias):
         got = kernel.linear(x, kernel.pack(w), b, n)
         assert got.shape == (*shape, n) and got.dtype == torch.float32
