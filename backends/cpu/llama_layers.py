@@ -13,8 +13,8 @@ from pagedkv.backends.cpu.linear import CpuLinearKernel
 
 
 class CpuLlamaLayers:
-    """Packs each layer's ``[Wq; Wk; Wv]``, ``Wo``, ``[Wg; Wu]`` and ``Wd`` once (again if a weight is replaced)
-    and runs the layer's attention inputs and MLP block on fp32 CPU activations."""
+    """Packs each layer's ``[Wq; Wk; Wv]``, ``Wo``, ``[Wg; Wu]`` and ``Wd`` once (again if a weight is replaced or
+    changed in place) and runs the layer's attention inputs and MLP block on fp32 CPU activations."""
 
     def __init__(self, lib: Any, linear: CpuLinearKernel) -> None:
         self.lib = lib
@@ -75,7 +75,7 @@ class CpuLlamaLayers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         tensors = [m.weight for m in linears] + [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        key = tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)
+        key = tuple(_weight_key(t) for t in tensors)
         cached = self._packs.get(layer)
         if cached is not None and cached[0] == key:
             return cached[1] or None
@@ -89,6 +89,12 @@ class CpuLlamaLayers:
                          self.linear.pack(torch.cat([g, u])), self.linear.pack(d))
         self._packs[layer] = (key, packs)
         return packs or None
+
+
+def _weight_key(t: torch.Tensor) -> tuple:
+    """What identifies a weight's contents: storage, dtype, shape, and the in-place version (``load_state_dict``
+    and tensor-parallel sharding copy into the existing parameter, which a pointer alone would not notice)."""
+    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), None if t.is_inference() else t._version
 
 
 def usable(lib: Any) -> bool:
