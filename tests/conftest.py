@@ -128,3 +128,21 @@ def drain(engine, limit: int = 5000):
         steps += 1
         assert steps < limit, "the engine did not finish in a bounded number of steps"
     return results, steps
+
+
+def cpu_kernel_build(isa: str):
+    """The ``isa`` build of the cpu backend's library, or a skip saying why this machine cannot run it (a compiler
+    that fails on our source is a bug, not a skip)."""
+    from pagedkv.backends.cpu import build
+
+    if not build.runnable(isa):
+        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
+    try:
+        lib = build.load(isa)
+    except build.BuildError as exc:
+        if build.compiler() is not None:
+            raise
+        pytest.skip(f"no C++ compiler here, so no CPU kernel: {exc}")
+    if isa in build.LANES:  # the library is the build asked for
+        assert lib.pagedkv_cpu_isa().decode() == isa and lib.pagedkv_cpu_lanes() == build.LANES[isa]
+    return lib

@@ -9,7 +9,7 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
-from conftest import GREEDY_MAX_NEW, hf_greedy
+from conftest import GREEDY_MAX_NEW, cpu_kernel_build, hf_greedy
 from pagedkv import LLM, SamplingParams
 from pagedkv.backends.cpu import build
 
@@ -25,16 +25,7 @@ def backend(request):
     from pagedkv.backends.cpu.routes import Routes
 
     isa, _, route = request.param.partition("/")
-    if not build.runnable(isa):
-        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
-    try:
-        lib = build.load(isa)
-    except build.BuildError as exc:
-        if build.compiler() is not None:  # a compiler that fails on our source is a bug, not a skip
-            raise
-        pytest.skip(f"no C++ compiler here, so no CPU attention kernel: {exc}")
-    if isa in build.LANES:  # the library is the build asked for
-        assert lib.pagedkv_cpu_isa().decode() == isa and lib.pagedkv_cpu_lanes() == build.LANES[isa]
+    lib = cpu_kernel_build(isa)
     return CpuBackend(lib, routes=Routes(prefill="torch") if route else Routes())
 
 

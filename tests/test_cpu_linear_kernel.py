@@ -10,6 +10,7 @@ import ctypes
 import pytest
 import torch
 
+from conftest import cpu_kernel_build
 from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.linear import CpuLinearKernel
 
@@ -23,14 +24,7 @@ EPS32 = torch.finfo(torch.float32).eps
 @pytest.fixture(scope="module", params=build.variants())
 def kernel(request) -> CpuLinearKernel:
     isa = request.param
-    if not build.runnable(isa):
-        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
-    try:
-        lib = build.load(isa)
-    except build.BuildError as exc:
-        if build.compiler() is not None:  # a compiler that fails on our source is a bug, not a skip
-            raise
-        pytest.skip(f"no C++ compiler here: {exc}")
+    lib = cpu_kernel_build(isa)
     kernel = CpuLinearKernel(lib)
     if isa in build.LANES:
         assert kernel.panel == 2 * build.LANES[isa]

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import cpu_kernel_build
 from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.linear import CpuLinearKernel
 from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
@@ -29,14 +30,7 @@ SHAPES = {
 @pytest.fixture(scope="module", params=build.variants())
 def layers(request) -> CpuLlamaLayers:
     isa = request.param
-    if not build.runnable(isa):
-        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
-    try:
-        lib = build.load(isa)
-    except build.BuildError as exc:
-        if build.compiler() is not None:
-            raise
-        pytest.skip(f"no C++ compiler here: {exc}")
+    lib = cpu_kernel_build(isa)
     return CpuLlamaLayers(lib, CpuLinearKernel(lib))
 
 
