@@ -12,9 +12,26 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_serve_cli import free_port, long_stream, model_dir, start  # noqa: F401
 
-LONG = {"prompt": "a", "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+# Long enough that shutdown (0.3 s after it starts, 0.5 s of grace) always cuts it: the fused cpu layers decode the
+# 2-layer test model at >1000 tokens/s, so 450 tokens could finish first; this 4-layer model of 2048 positions
+# has room for 1900 at a fraction of that speed.
+LONG = {"prompt": "a", "max_tokens": 1900, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    from pagedkv.serve.testing import byte_level_tokenizer
+    from pagedkv.testing import tiny_llama
+
+    tokenizer = byte_level_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-long")
+    tiny_llama(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+               max_position_embeddings=2048).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def running(url: str) -> bool:
@@ -23,8 +40,8 @@ def running(url: str) -> bool:
                for line in text.splitlines())
 
 
-def test_a_non_streamed_request_cut_by_shutdown_answers_200_with_its_partial_text(model_dir):  # noqa: F811
-    proc, url = start(model_dir, "--shutdown-timeout", "0.5", "--max-num-seqs", "1")
+def test_a_non_streamed_request_cut_by_shutdown_answers_200_with_its_partial_text(long_model_dir):
+    proc, url = start(long_model_dir, "--shutdown-timeout", "0.5", "--max-num-seqs", "1")
     answer: dict = {}
 
     def ask() -> None:
@@ -44,7 +61,7 @@ def test_a_non_streamed_request_cut_by_shutdown_answers_200_with_its_partial_tex
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "abort"
-    assert 0 < response.json()["usage"]["completion_tokens"] < 450 and choice["text"]
+    assert 0 < response.json()["usage"]["completion_tokens"] < LONG["max_tokens"] and choice["text"]
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
