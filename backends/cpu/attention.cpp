@@ -518,9 +518,8 @@ int pagedkv_cpu_linear_panel() { return kNr; }
 int pagedkv_cpu_linear(const float* x, int64_t rows, int64_t k, const float* packed, const float* bias, int64_t n,
                        float* y, int threads) {
   if (rows < 0 || k <= 0 || n <= 0 || k > INT32_MAX / kNr || n > INT32_MAX) return 1;
-  for (int64_t m = 0; m < rows; m += kRowChunk)
-    linear_chunk(x + m * k, static_cast<int>(std::min<int64_t>(kRowChunk, rows - m)), k, static_cast<int>(k),
-                 packed, bias, static_cast<int>(n), y + m * n, false, std::max(1, threads));
+  linear_rows_all(x, k, rows, static_cast<int>(k), packed, bias, static_cast<int>(n), y, false,
+                  std::max(1, threads));
   return 0;
 }
 
@@ -576,7 +575,7 @@ int pagedkv_cpu_llama_attention_inputs(const float* h, int64_t rows, int64_t d, 
   threads = std::max(1, threads);
   const int width = static_cast<int>(nq + 2 * nkv), dim = static_cast<int>(head_dim);
   rms_norm_rows(h, rows, static_cast<int>(d), norm_weight, eps, xn, threads);
-  linear_rows_all(xn, d, rows, static_cast<int>(d), wqkv, width, qkv, false, threads);
+  linear_rows_all(xn, d, rows, static_cast<int>(d), wqkv, nullptr, width, qkv, false, threads);
   const int rotated = static_cast<int>((nq + nkv) / head_dim);  // q's heads, then k's, side by side in a row
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= kParallelRows)
   for (int64_t t = 0; t < rows; ++t) rotate_heads(qkv + t * width, rotated, dim, cos + t * dim, sin + t * dim);
@@ -593,11 +592,11 @@ int pagedkv_cpu_llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, 
     return 1;
   threads = std::max(1, threads);
   const int dim = static_cast<int>(d), mid = static_cast<int>(inter);
-  linear_rows_all(attn, nq, rows, static_cast<int>(nq), wo, dim, h, true, threads);
+  linear_rows_all(attn, nq, rows, static_cast<int>(nq), wo, nullptr, dim, h, true, threads);
   rms_norm_rows(h, rows, dim, norm_weight, eps, xn, threads);
-  linear_rows_all(xn, d, rows, dim, wgu, 2 * mid, gu, false, threads);
+  linear_rows_all(xn, d, rows, dim, wgu, nullptr, 2 * mid, gu, false, threads);
   silu_mul_rows(gu, rows, mid, threads);
-  linear_rows_all(gu, 2 * inter, rows, mid, wdown, dim, h, true, threads);
+  linear_rows_all(gu, 2 * inter, rows, mid, wdown, nullptr, dim, h, true, threads);
   return 0;
 }
 

@@ -4,7 +4,7 @@
 // weight of the model, and none of the model fits in cache (SmolLM2-135M is 540 MB of fp32), so every
 // weight comes from memory once per step. oneDNN's and MKL's small-M paths do not keep the FMA units
 // busy while they wait for it: on the 2-core Zen 3 (AVX2) the whole model's linears took 61 / 84 / 128 ms
-// (oneDNN, packed) at 1 / 8 / 32 rows, this kernel 31 / 44 / 95 ms (benchmarks/JOURNAL.md, 2026-12-01).
+// (oneDNN, packed) at 1 / 8 / 32 rows, this kernel 28 / 45 / 89 ms (benchmarks/JOURNAL.md, 2026-12-01).
 //
 // Layout: the packed weight is N/kNr panels, each kNr output columns wide and K deep, column-fastest
 // ([panel][k][kNr], zero-padded past N). A panel is one contiguous stretch a thread streams through,
@@ -121,4 +121,12 @@ inline void linear_chunk(const float* x, int M, int64_t ldx, int K, const float*
     for (; m0 + kMr <= M; m0 += kMr) group_tiles<kMr, 1>(g, m0, m0 == 0);
     if (m0 < M) rest_tiles(M - m0, std::make_integer_sequence<int, kMr - 1>{}, g, m0);
   }
+}
+
+// y[rows, N] (+)= x[rows, K] W^T + bias, any number of rows: kRowChunk rows per pass over the weight.
+inline void linear_rows_all(const float* x, int64_t ldx, int64_t rows, int K, const float* wp, const float* bias,
+                            int N, float* y, bool accumulate, int threads) {
+  for (int64_t m = 0; m < rows; m += kRowChunk)
+    linear_chunk(x + m * ldx, static_cast<int>(std::min<int64_t>(kRowChunk, rows - m)), ldx, K, wp, bias, N,
+                 y + m * N, accumulate, threads);
 }

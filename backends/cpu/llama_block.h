@@ -12,14 +12,6 @@
 
 #pragma once
 
-// y[rows, n] (+)= x[rows, k] W^T, x rows ldx apart, kRowChunk rows per pass over the weight.
-inline void linear_rows_all(const float* x, int64_t ldx, int64_t rows, int k, const float* wp, int n, float* y,
-                            bool accumulate, int threads) {
-  for (int64_t m = 0; m < rows; m += kRowChunk)
-    linear_chunk(x + m * ldx, static_cast<int>(std::min<int64_t>(kRowChunk, rows - m)), ldx, k, wp, nullptr, n,
-                 y + m * n, accumulate, threads);
-}
-
 // Rows are independent: split them over the threads only when there are enough to be worth a fork.
 constexpr int64_t kParallelRows = 16;
 
