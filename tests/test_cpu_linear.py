@@ -45,7 +45,8 @@ def test_packed_linears_match_a_float64_reference(rows, bias):
 
 def test_the_packed_weight_is_used_only_inside_packed_linears(monkeypatch):
     """A pack made from twice the weight shows which path ran: packed inside the block, plain outside."""
-    monkeypatch.setattr(cpu_linear, "_pack", lambda w: torch.ops.mkldnn._reorder_linear_weight(2 * w.detach(), None))
+    monkeypatch.setattr(cpu_linear, "onednn_pack",
+                        lambda w: torch.ops.mkldnn._reorder_linear_weight(2 * w.detach(), None))
     layer = torch.nn.Linear(32, 24, bias=False)
     pack_linears(layer)
     x = torch.randn(5, 32)

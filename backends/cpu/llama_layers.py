@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pagedkv.backends.cpu.linear import CpuLinearKernel
+from pagedkv.core.model.cpu_linear import weight_key
 
 # Parameters assigned to any module since import (a replaced weight, e.g. ``layer.q_proj.weight = ...``): reading a
 # layer's nine weights through nn.Module attributes costs ~40 us, so plans re-read them only when this count moved.
@@ -114,7 +115,7 @@ class CpuLlamaLayers:
     def _checked_plan(self, layer: Any) -> _LayerPlan | None:
         plan = self._plans.get(layer)
         if plan is None or plan.generation != _registrations[0] or not all(  # a parameter was assigned since,
-                _weight_key(t) == k for t, k in zip(plan.tensors, plan.key)):  # or a weight's contents changed
+                weight_key(t) == k for t, k in zip(plan.tensors, plan.key)):  # or a weight's contents changed
             plan = self._make_plan(layer)
         return plan if plan.packs else None
 
@@ -125,7 +126,7 @@ class CpuLlamaLayers:
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         tensors = [m.weight for m in linears] + [n.weight for n in norms]
-        key = tuple(_weight_key(t) for t in tensors)
+        key = tuple(weight_key(t) for t in tensors)
         plan = _LayerPlan(generation, tuple(tensors), key, (), (), (0.0, 0.0), 0, 0, 0, 0)
         usable = (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
                   and all(m.bias is None for m in linears) and attn.head_dim % 2 == 0
@@ -142,12 +143,6 @@ class CpuLlamaLayers:
                               mlp.gate_proj.out_features)
         self._plans[layer] = plan
         return plan
-
-
-def _weight_key(t: torch.Tensor) -> tuple:
-    """What identifies a weight's contents: storage, dtype, shape, and the in-place version (``load_state_dict``
-    and tensor-parallel sharding copy into the existing parameter, which a pointer alone would not notice)."""
-    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), None if t.is_inference() else t._version
 
 
 def usable(lib: Any) -> bool:

@@ -98,7 +98,7 @@ def _measure_linear(lib, repeats: int) -> str:  # noqa: ANN001
     kernel = CpuLinearKernel(lib)
     weights = [torch.full((1536, 576), 0.01) for _ in range(24)]
     ours = [kernel.pack(w) for w in weights]
-    onednn = [cpu_linear._pack(w) for w in weights] if cpu_linear.available() else None
+    onednn = [cpu_linear.onednn_pack(w) for w in weights] if cpu_linear.available() else None
 
     def run_ours(x: torch.Tensor) -> None:
         for pack in ours:

@@ -104,12 +104,12 @@ class PackedLinear(torch.nn.Linear):
         """The weight packed for ``kernel`` (default oneDNN), (re)made if the weight or the kernel changed;
         None when the weight is not fp32 on the CPU."""
         weight = self.weight
-        key = (_weight_key(weight), ONEDNN if kernel is None else kernel.name)
+        key = (weight_key(weight), ONEDNN if kernel is None else kernel.name)
         if key != self._pack_key:
             self._pack = None  # (the old pack is let go before the new one is made)
             if _packable(weight):
                 with torch.no_grad():
-                    self._pack = _pack(weight) if kernel is None else kernel.pack(weight.detach().contiguous())
+                    self._pack = onednn_pack(weight) if kernel is None else kernel.pack(weight.detach().contiguous())
             self._pack_key = key
         return self._pack
 
@@ -156,12 +156,13 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered once into oneDNN's blocked layout (what ``_linear_pointwise`` multiplies by)."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def _weight_key(weight: torch.Tensor) -> tuple[Any, ...]:
+def weight_key(weight: torch.Tensor) -> tuple[Any, ...]:
     """What identifies the weight's current contents: storage, layout, and (when tracked) the in-place version."""
     version = None if weight.is_inference() else weight._version
     return weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), weight.stride(), version
