@@ -70,3 +70,19 @@ def test_fused_greedy_equals_transformers_generate(tmp_path, overrides):
     for rid, prompt in zip(ids, prompts):
         assert outputs[rid].outputs[0].token_ids == hf_greedy(reference, prompt, 10), f"prompt of {len(prompt)}"
     assert ours.pool.num_used == 0
+
+
+def test_no_fused_layer_when_the_packed_copies_would_not_fit_in_memory(tiny_dir, monkeypatch):
+    from pagedkv.core.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "available_memory", lambda: 1000)  # bytes: far less than 2x the weights
+    small = engine(tiny_dir)
+    assert small.runner.layer_kernel is None, "the fused layer packs the weights too: refused like the linears"
+    assert not small.runner.packed_linears
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    rid = small.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    results, _ = drain(small)
+    assert results[rid].outputs[0].token_ids == hf_greedy(reference, [5, 6, 7], 6)
+    assert small.pool.num_used == 0

@@ -122,12 +122,7 @@ def pack_linears(model: torch.nn.Module, kernel: LinearKernel | None = None) -> 
     one log line, and the model runs as it is). Idempotent."""
     if kernel is None and not available():
         return 0
-    todo = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
-    needed = sum(m.weight.numel() * m.weight.element_size() for m in todo)
-    free = available_memory()
-    if free is not None and needed > free // 2:  # leave the other half to the KV cache and the step's activations
-        log.warning("pagedkv: not packing the linear layers for oneDNN: %.2f GiB needed, %.2f GiB available",
-                    needed / 2**30, free / 2**30)
+    if not packed_copies_fit(model, warn=True):
         return 0
     count = 0
     for module in model.modules():
@@ -139,6 +134,21 @@ def pack_linears(model: torch.nn.Module, kernel: LinearKernel | None = None) -> 
         if isinstance(module, PackedLinear) and _packable(module.weight):
             count += 1
     return count
+
+
+def packed_copies_fit(model: torch.nn.Module, warn: bool = False) -> bool:
+    """Whether a packed copy of every fp32 CPU linear weight of ``model`` fits in half the memory available now
+    (the other half is left to the KV cache and the step's activations). A backend's fused layers pack the same
+    weights, so they ask this too."""
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and _packable(m.weight) and m.__dict__.get("_pack") is None)
+    free = available_memory()
+    if free is not None and needed > free // 2:
+        if warn:
+            log.warning("pagedkv: not packing the linear layers: %.2f GiB needed, %.2f GiB available",
+                        needed / 2**30, free / 2**30)
+        return False
+    return True
 
 
 @contextmanager

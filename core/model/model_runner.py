@@ -15,7 +15,7 @@ import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
-from pagedkv.core.model.cpu_linear import HasLinearKernel, pack_linears, packed_linears
+from pagedkv.core.model.cpu_linear import HasLinearKernel, pack_linears, packed_copies_fit, packed_linears
 from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.model.llama_model import HasLlamaLayerKernel
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
@@ -62,9 +62,10 @@ class ModelRunner:
         # oneDNN: the bulk of a CPU step (pagedkv.core.model.cpu_linear); after the KV cache, which has the
         # first claim on memory
         self.linear_kernel = backend.linear_kernel if isinstance(backend, HasLinearKernel) else None
-        # pagedkv's own Llama on the CPU: the layers' dense parts fused by the backend, where it offers that
+        # pagedkv's own Llama on the CPU: the layers' dense parts fused by the backend, where it offers that (it
+        # packs the same weights as the linears, so not when those copies would not fit in memory)
         self.layer_kernel = (backend.llama_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
-                             and isinstance(backend, HasLlamaLayerKernel) else None)
+                             and isinstance(backend, HasLlamaLayerKernel) and packed_copies_fit(model) else None)
         with phase("linear layers set to pack at first use"):
             self.packed_linears = device == "cpu" and pack_linears(model, self.linear_kernel) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
