@@ -61,7 +61,7 @@ def test_fused_greedy_equals_transformers_generate(tmp_path, overrides):
             return _real(*args)
 
         setattr(fused, name, counted)
-    # a prefill past the parallel threshold (16 rows) and the row chunk (64), decodes batched with it
+    # a prefill past the parallel threshold (16 rows) and the row chunk (60), decodes batched with it
     prompts = [[t % VOCAB or 1 for t in p] for p in random_prompts([3, 17, 1, 70, 30], seed=4)]
     ids = [ours.add_request(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts]
     outputs, steps = drain(ours)

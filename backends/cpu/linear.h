@@ -11,8 +11,9 @@
 // and each k step of it is whole vectors: the micro-kernel keeps a kMr x kNr tile of y in registers
 // (AVX2: 6 x 16 = 12 accumulators + 2 weight vectors + 1 broadcast of the 16 ymm registers; AVX-512:
 // 12 x 32 = 24 + 2 + 1 of 32 zmm), reads each weight vector once per kMr rows and each x element once
-// per panel. Threads take groups of kGroup neighbouring panels, contiguous ranges of them, so each
-// streams its own part of the weight; the rows of x (a few KB to a few hundred KB) stay in the core's L2
+// per panel. Each thread takes an equal contiguous range of panels (to one panel, so SmolLM2's 36-panel
+// o_proj splits 18 : 18 rather than 5 : 4 groups) and walks it kGroup panels at a time, so each streams
+// its own part of the weight; the rows of x (a few KB to a few hundred KB) stay in the core's L2
 // and are reread for every panel.
 // Beyond kRowChunk rows, x no longer fits there, so longer inputs are multiplied kRowChunk rows at a time.
 //
@@ -23,10 +24,11 @@
 
 constexpr int kNr = 2 * kLanes;                 // output columns of a panel: two vectors
 constexpr int kMr = kRegisters >= 32 ? 12 : 6;  // rows of the register tile
-constexpr int kRowChunk = 64;                   // rows multiplied per pass over the weight
+constexpr int kRowChunk = 60;                   // rows multiplied per pass over the weight: whole tiles
 
 // Output columns per group of panels a thread takes at once, and the accumulator registers a tile may use.
 constexpr int kGroup = 4;
+static_assert(kRowChunk % kMr == 0, "a chunk is whole register tiles, with no tail tile");
 constexpr int kAccumulators = kRegisters >= 32 ? 24 : 12;
 // Panels a tile of `rows` rows spans: the rows left over after the full kMr-row tiles (a decode step of
 // 1-5 sequences is only such rows) would leave the FMA units waiting on too few accumulators with one
@@ -90,15 +92,23 @@ template <int MR, int NP>
 inline void group_tiles(const GroupArgs& g, int m0, bool prefetch) {
   const float* x = g.x + m0 * g.ldx;
   float* y = g.y + m0 * g.ldy;
-  const int step = g.panels % NP == 0 ? NP : 1;  // a group at the weight's end may have fewer panels
-  for (int p = 0; p < g.panels; p += step) {
+  // a group at the end of a thread's range may have fewer panels: as many NP-panel tiles as fit, then 2, then 1
+  for (int p = 0; p < g.panels;) {
     const float* bias = g.bias == nullptr ? nullptr : g.bias + p * kNr;
-    if (step == NP)
+    const int left = g.panels - p;
+    if (left >= NP) {
       linear_tile<MR, NP>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
                           g.ncols - p * kNr, g.accumulate, prefetch);
-    else
+      p += NP;
+    } else if (NP > 2 && left >= 2) {
+      linear_tile<MR, 2>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
+                         g.ncols - p * kNr, g.accumulate, prefetch);
+      p += 2;
+    } else {
       linear_tile<MR, 1>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
                          g.ncols - p * kNr, g.accumulate, prefetch);
+      p += 1;
+    }
   }
 }
 
@@ -108,18 +118,24 @@ inline void rest_tiles(int rows, std::integer_sequence<int, R...>, const GroupAr
 }
 
 // y[M, N] (+)= x[M, K] W^T + bias for up to kRowChunk rows, x's rows ldx apart; wp is the packed weight.
+// Each thread takes an equal contiguous range of panels (to one panel), walked in groups of kGroup.
 inline void linear_chunk(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                          float* y, bool accumulate, int threads) {
-  const int panels = (N + kNr - 1) / kNr, groups = (panels + kGroup - 1) / kGroup;
+  const int panels = (N + kNr - 1) / kNr;
   const int64_t panel_stride = static_cast<int64_t>(K) * kNr;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int gi = 0; gi < groups; ++gi) {
-    const int p0 = gi * kGroup, n0 = p0 * kNr;
-    const GroupArgs g{x, ldx, wp + p0 * panel_stride, panel_stride, K, bias == nullptr ? nullptr : bias + n0,
-                      y + n0, N, std::min(kGroup * kNr, N - n0), std::min(kGroup, panels - p0), accumulate};
-    int m0 = 0;
-    for (; m0 + kMr <= M; m0 += kMr) group_tiles<kMr, 1>(g, m0, m0 == 0);
-    if (m0 < M) rest_tiles(M - m0, std::make_integer_sequence<int, kMr - 1>{}, g, m0);
+  threads = std::max(1, std::min(threads, panels));
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const int first = static_cast<int>(static_cast<int64_t>(panels) * t / threads);
+    const int last = static_cast<int>(static_cast<int64_t>(panels) * (t + 1) / threads);
+    for (int p0 = first; p0 < last; p0 += kGroup) {
+      const int n0 = p0 * kNr, np = std::min(kGroup, last - p0);
+      const GroupArgs g{x, ldx, wp + p0 * panel_stride, panel_stride, K, bias == nullptr ? nullptr : bias + n0,
+                        y + n0, N, std::min(np * kNr, N - n0), np, accumulate};
+      int m0 = 0;
+      for (; m0 + kMr <= M; m0 += kMr) group_tiles<kMr, 1>(g, m0, m0 == 0);
+      if (m0 < M) rest_tiles(M - m0, std::make_integer_sequence<int, kMr - 1>{}, g, m0);
+    }
   }
 }
 
