@@ -7,7 +7,8 @@ prefetched a few steps ahead, query heads in passes of up to 4 (AVX-512: 2 at he
 AVX2: 1 from head dim 64). These cases cross its step and prefetch-ring edges of every width, split
 groups into several passes, and take both unit shapes: all KV heads
 per unit (many sequences) and one KV head per unit (too few sequences to go round the threads),
-with one thread (where a unit also prefetches the next unit's first rows) and two. Other head dims
+with one thread and several (a decode-only step splits its units into per-thread ranges of equal key
+counts, run in order, so a unit prefetches the next unit's first rows on any thread count). Other head dims
 take the general kernel; one case checks that they still do.
 """
 
@@ -71,13 +72,15 @@ def test_decode_large_logits_do_not_overflow(backend):  # noqa: F811
     check(backend, [200, 70], [1, 1], 16, heads=4, kv_heads=2, query=lambda q: q * 40, seed=13)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_one_and_two_threads(backend, threads):  # noqa: F811
-    # with one thread a unit prefetches the next unit's first rows: neighbours of all shapes
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_on_one_to_three_threads(backend, threads):  # noqa: F811
+    # each thread's units prefetch their neighbour's first rows: neighbours of all shapes
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         check(backend, STEP_EDGES, [1] * len(STEP_EDGES), 16, heads=9, kv_heads=3, seed=threads)
         check(backend, [300, 20, 40], [1, 17, 1], 16, heads=4, kv_heads=2, window=24, seed=threads + 2)
+        # one long sequence holds most of the keys: a thread's range is that one unit, another's may be empty
+        check(backend, [2000, 1, 2, 1, 3, 1], [1] * 6, 16, heads=4, kv_heads=2, seed=threads + 4)
     finally:
         torch.set_num_threads(old)

@@ -443,10 +443,37 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
 
 // Decode units (one query token) take the decode kernel, units of many query rows (prefill) the
 // prefill path, when the head dim is whole vectors; anything else the general run_unit.
+// A decode-only step on several threads: each thread takes a contiguous range of the units holding an equal share
+// of their keys and runs it in order, so every unit's last steps prefetch the next one's first rows (with
+// dynamic scheduling the next unit is unknown and each would start on cold misses).
+template <typename T, int DT>
+void run_decode_ranges(const Params& p, const std::vector<Unit>& units, int threads) {
+  const int n = static_cast<int>(units.size());
+  std::vector<int64_t> upto(n + 1, 0);  // keys of units [0, i)
+  for (int i = 0; i < n; ++i) {
+    const DecodeRows<T, DT> rows(p, units[i]);
+    upto[i + 1] = upto[i] + (rows.k_hi - rows.k_lo) * (units[i].h1 - units[i].h0);
+  }
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const auto at = [&](int part) {
+      return static_cast<int>(std::lower_bound(upto.begin(), upto.end(), upto[n] * part / threads) - upto.begin());
+    };
+    const int first = t == 0 ? 0 : at(t), last = t + 1 == threads ? n : at(t + 1);
+    DecodeScratch dw;
+    for (int i = first; i < last; ++i) run_decode_unit<T, DT>(p, units[i], i + 1 < last ? &units[i + 1] : nullptr, dw);
+  }
+}
+
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());
   const int group = p.num_heads / p.num_kv_heads;
+  if constexpr (DT > 0 && DT % kLanes == 0) {
+    const bool decode_only =
+        std::all_of(units.begin(), units.end(), [](const Unit& u) { return u.t1 - u.t0 == 1; });
+    if (threads > 1 && decode_only && n >= 2 * threads) return run_decode_ranges<T, DT>(p, units, threads);
+  }
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
