@@ -14,7 +14,7 @@ from conftest import cpu_kernel_build
 from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.linear import CpuLinearKernel
 
-ROWS = [0, 1, 2, 5, 6, 7, 12, 13, 59, 60, 61, 64, 121, 130]  # around kMr (6, 12) and kRowChunk (60)
+ROWS = [0, 1, 2, 5, 6, 7, 12, 13, 59, 60, 61, 64, 65, 121, 130, 239, 241]  # around kMr (6, 12) and kRowChunk (60)
 # a panel's tails for panels of 8, 16 and 32; 200 and 576 (SmolLM2's o_proj) split into per-thread panel ranges
 # that end in groups of 1, 2 and 3 panels
 OUT_FEATURES = [1, 15, 16, 17, 40, 200, 576]
