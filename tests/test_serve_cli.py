@@ -53,9 +53,9 @@ def start(model_dir: Path, *extra: str, preexec_fn: Any = None) -> tuple[subproc
             time.sleep(0.2)
 
 
-def long_stream(url: str) -> tuple[httpx.Client, httpx.Response]:
+def long_stream(url: str, max_tokens: int = 450) -> tuple[httpx.Client, httpx.Response]:
     client = httpx.Client(base_url=url, timeout=60)
-    body = {"prompt": "a", "max_tokens": 450, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"prompt": "a", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
     response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
     assert response.status_code == 200
     return client, response

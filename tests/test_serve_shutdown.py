@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve_cli import free_port, model_dir, start  # noqa: F401
+from test_serve_cli import free_port, long_stream, model_dir, start  # noqa: F401
 
 # Long enough that shutdown (0.3 s after it starts, 0.5 s of grace) always cuts it: the fused cpu layers decode the
 # 2-layer test model at >1000 tokens/s, so 450 tokens could finish first; this 4-layer model of 2048 positions
@@ -66,12 +66,10 @@ def test_a_non_streamed_request_cut_by_shutdown_answers_200_with_its_partial_tex
 
 
 def test_a_second_signal_ends_everything_at_once_without_a_traceback(long_model_dir):
-    # the long model and LONG: the 450 tokens of long_stream on the 2-layer model can end in the 0.5 s between the
-    # signals (they did on a fast CPU), and a stream that finishes on its own is not cut by the second signal
+    # the long model and LONG's length: 450 tokens of the 2-layer model can end in the 0.5 s between the signals
+    # (they did on a fast CPU), and a stream that finishes on its own is not cut by the second signal
     proc, url = start(long_model_dir, "--shutdown-timeout", "60")
-    client = httpx.Client(base_url=url, timeout=60)
-    stream = client.send(client.build_request("POST", "/v1/completions", json={**LONG, "stream": True}), stream=True)
-    assert stream.status_code == 200
+    client, stream = long_stream(url, LONG["max_tokens"])
     lines = stream.iter_lines()
     next(line for line in lines if line.startswith("data: "))
     proc.send_signal(signal.SIGINT)
