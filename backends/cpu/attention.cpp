@@ -441,8 +441,6 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
 #include "linear.h"
 #include "llama_block.h"
 
-// Decode units (one query token) take the decode kernel, units of many query rows (prefill) the
-// prefill path, when the head dim is whole vectors; anything else the general run_unit.
 // A decode-only step on several threads: each thread takes a contiguous range of the units holding an equal share
 // of their keys and runs it in order, so every unit's last steps prefetch the next one's first rows (with
 // dynamic scheduling the next unit is unknown and each would start on cold misses).
@@ -454,17 +452,20 @@ void run_decode_ranges(const Params& p, const std::vector<Unit>& units, int thre
     const DecodeRows<T, DT> rows(p, units[i]);
     upto[i + 1] = upto[i] + (rows.k_hi - rows.k_lo) * (units[i].h1 - units[i].h0);
   }
+  std::vector<int> bound(threads + 1, n);  // thread t runs units [bound[t], bound[t + 1])
+  bound[0] = 0;
+  for (int t = 1; t < threads; ++t)
+    bound[t] = static_cast<int>(std::lower_bound(upto.begin(), upto.end(), upto[n] * t / threads) - upto.begin());
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
   for (int t = 0; t < threads; ++t) {
-    const auto at = [&](int part) {
-      return static_cast<int>(std::lower_bound(upto.begin(), upto.end(), upto[n] * part / threads) - upto.begin());
-    };
-    const int first = t == 0 ? 0 : at(t), last = t + 1 == threads ? n : at(t + 1);
     DecodeScratch dw;
-    for (int i = first; i < last; ++i) run_decode_unit<T, DT>(p, units[i], i + 1 < last ? &units[i + 1] : nullptr, dw);
+    for (int i = bound[t]; i < bound[t + 1]; ++i)
+      run_decode_unit<T, DT>(p, units[i], i + 1 < bound[t + 1] ? &units[i + 1] : nullptr, dw);
   }
 }
 
+// Decode units (one query token) take the decode kernel, units of many query rows (prefill) the
+// prefill path, when the head dim is whole vectors; anything else the general run_unit.
 template <typename T, int DT>
 void run_all(const Params& p, const std::vector<Unit>& units, int threads) {
   const int n = static_cast<int>(units.size());

@@ -93,22 +93,22 @@ inline void group_tiles(const GroupArgs& g, int m0, bool prefetch) {
   const float* x = g.x + m0 * g.ldx;
   float* y = g.y + m0 * g.ldy;
   // a group at the end of a thread's range may have fewer panels: as many NP-panel tiles as fit, then 2, then 1
-  for (int p = 0; p < g.panels;) {
-    const float* bias = g.bias == nullptr ? nullptr : g.bias + p * kNr;
+  int p = 0;
+  auto tile = [&](auto panels) {  // a std::integral_constant: the tile's panels side by side
+    constexpr int kPanels = decltype(panels)::value;
+    linear_tile<MR, kPanels>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K,
+                             g.bias == nullptr ? nullptr : g.bias + p * kNr, y + p * kNr, g.ldy, g.ncols - p * kNr,
+                             g.accumulate, prefetch);
+    p += kPanels;
+  };
+  while (p < g.panels) {
     const int left = g.panels - p;
-    if (left >= NP) {
-      linear_tile<MR, NP>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
-                          g.ncols - p * kNr, g.accumulate, prefetch);
-      p += NP;
-    } else if (NP > 2 && left >= 2) {
-      linear_tile<MR, 2>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
-                         g.ncols - p * kNr, g.accumulate, prefetch);
-      p += 2;
-    } else {
-      linear_tile<MR, 1>(x, g.ldx, g.w + p * g.panel_stride, g.panel_stride, g.K, bias, y + p * kNr, g.ldy,
-                         g.ncols - p * kNr, g.accumulate, prefetch);
-      p += 1;
-    }
+    if (left >= NP)
+      tile(std::integral_constant<int, NP>{});
+    else if (NP > 2 && left >= 2)
+      tile(std::integral_constant<int, 2>{});
+    else
+      tile(std::integral_constant<int, 1>{});
   }
 }
 
@@ -118,7 +118,6 @@ inline void rest_tiles(int rows, std::integer_sequence<int, R...>, const GroupAr
 }
 
 // y[M, N] (+)= x[M, K] W^T + bias for up to kRowChunk rows, x's rows ldx apart; wp is the packed weight.
-// Each thread takes an equal contiguous range of panels (to one panel), walked in groups of kGroup.
 inline void linear_chunk(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                          float* y, bool accumulate, int threads) {
   const int panels = (N + kNr - 1) / kNr;
