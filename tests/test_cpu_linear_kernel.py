@@ -18,7 +18,7 @@ ROWS = [0, 1, 2, 5, 6, 7, 12, 13, 59, 60, 61, 64, 65, 121, 130, 239, 241]  # aro
 # a panel's tails for panels of 8, 16 and 32; 200 and 576 (SmolLM2's o_proj) split into per-thread panel ranges
 # that end in groups of 1, 2 and 3 panels
 OUT_FEATURES = [1, 15, 16, 17, 40, 200, 576]
-IN_FEATURES = [1, 3, 48, 577]
+IN_FEATURES = [1, 3, 48, 64, 130, 577]  # one k block of 64 is partial, whole, two and a bit, nine and one
 GUARD = 64  # NaN floats after each buffer: a read past its end poisons a result, a write past it shows
 EPS32 = torch.finfo(torch.float32).eps
 
