@@ -141,23 +141,41 @@ inline void linear_chunk(const float* x, int M, int64_t ldx, int K, const float*
   }
 }
 
+constexpr int kKBlock = 64;  // k steps of a block: 64 rows of a panel, 4 KB on AVX2
+
 // One k block of a row tile over one panel: the tile's sums so far are in c (MR rows of kNr floats), unless
-// this is the first block.
-template <int MR>
-inline void block_tile(const float* x, int64_t ldx, const float* w, int kn, float* c, bool first, bool prefetch) {
+// this is the first block. The tile prefetches rows of the panel's next block: with kShared, one row in
+// `share` from row `mine` on, so that `share` tiles split the requests; otherwise every row if `share` is 1.
+template <int MR, bool kShared>
+inline void block_tile(const float* x, int64_t ldx, const float* w, int kn, float* c, bool first, int share,
+                       int mine) {
   vfloat acc[MR][2];
   for (int r = 0; r < MR; ++r) {
     acc[r][0] = first ? vfloat{} : load(c + r * kNr);
     acc[r][1] = first ? vfloat{} : load(c + r * kNr + kLanes);
   }
-  for (int k = 0; k < kn; ++k) {
-    const float* wk = w + static_cast<int64_t>(k) * kNr;
-    if (prefetch) __builtin_prefetch(wk + kPrefetch);
-    const vfloat w0 = load(wk), w1 = load(wk + kLanes);
-    for (int r = 0; r < MR; ++r) {
-      const vfloat b = splat(x[r * ldx + k]);
-      acc[r][0] += b * w0;
-      acc[r][1] += b * w1;
+  const float* next = w + kKBlock * kNr;
+  if (kShared) {
+    for (int k0 = 0; k0 < kn; k0 += share) {
+      __builtin_prefetch(next + (k0 + mine) * kNr);
+      for (int k = k0; k < std::min(kn, k0 + share); ++k) {
+        const vfloat w0 = load(w + k * kNr), w1 = load(w + k * kNr + kLanes);
+        for (int r = 0; r < MR; ++r) {
+          const vfloat b = splat(x[r * ldx + k]);
+          acc[r][0] += b * w0;
+          acc[r][1] += b * w1;
+        }
+      }
+    }
+  } else {
+    for (int k = 0; k < kn; ++k) {
+      if (share == 1) __builtin_prefetch(next + k * kNr);
+      const vfloat w0 = load(w + k * kNr), w1 = load(w + k * kNr + kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const vfloat b = splat(x[r * ldx + k]);
+        acc[r][0] += b * w0;
+        acc[r][1] += b * w1;
+      }
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -168,8 +186,11 @@ inline void block_tile(const float* x, int64_t ldx, const float* w, int kn, floa
 
 template <int... R>
 inline void block_tile_rows(int rows, std::integer_sequence<int, R...>, const float* x, int64_t ldx, const float* w,
-                            int kn, float* c, bool first, bool prefetch) {
-  ((rows == R + 1 ? block_tile<R + 1>(x, ldx, w, kn, c, first, prefetch) : void()), ...);
+                            int kn, float* c, bool first, int share, int mine) {
+  if (share > 1)
+    ((rows == R + 1 ? block_tile<R + 1, true>(x, ldx, w, kn, c, first, share, mine) : void()), ...);
+  else
+    ((rows == R + 1 ? block_tile<R + 1, false>(x, ldx, w, kn, c, first, share, mine) : void()), ...);
 }
 
 // y[M, N] (+)= x[M, K] W^T + bias for kMr..kRowChunk rows in one pass over the weight, k block by k block.
@@ -184,7 +205,6 @@ inline void block_tile_rows(int rows, std::integer_sequence<int, R...>, const fl
 // Longer inputs take several passes, the weight comes from L3 after the first, and linear_chunk's loop is
 // faster there (this one 0.91-0.95x at 240-1,280 rows). The 4-lane build (SSE2 / NEON) multiplies at a
 // quarter of the AVX2 rate, so memory never holds it up: it keeps linear_chunk (blocked: 0.8-0.95x).
-constexpr int kKBlock = 64;
 constexpr bool kBlockedPass = kLanes >= 8;
 inline void linear_blocked(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                            float* y, bool accumulate, int threads) {
@@ -203,8 +223,10 @@ inline void linear_blocked(const float* x, int M, int64_t ldx, int K, const floa
         const int kn = std::min(kKBlock, K - k0);
         for (int i = 0; i < tiles; ++i) {
           const int r0 = M * i / tiles, r1 = M * (i + 1) / tiles;
+          // 4+ tiles share the next block's prefetches; with fewer, the first makes them all
+          const int share = tiles >= 4 ? tiles : (i == 0 ? 1 : 0);
           block_tile_rows(r1 - r0, std::make_integer_sequence<int, kMr>{}, x + r0 * ldx + k0, ldx,
-                          w + static_cast<int64_t>(k0) * kNr, kn, c + r0 * kNr, k0 == 0, i == 0);
+                          w + static_cast<int64_t>(k0) * kNr, kn, c + r0 * kNr, k0 == 0, share, i);
         }
       }
       const int n0 = p * kNr, cols = std::min(kNr, N - n0);
