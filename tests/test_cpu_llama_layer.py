@@ -16,7 +16,7 @@ from pagedkv.backends.cpu.linear import CpuLinearKernel
 from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
 from pagedkv.core.model.llama_model import DecoderLayer, rotary_inv_freq
 
-ROWS = [1, 7, 16, 17, 70]
+ROWS = [1, 7, 16, 17, 70, 121]  # 70, 121: a long input goes through 60 rows at a time (last chunk 10, 1)
 EPS32 = torch.finfo(torch.float32).eps
 # (hidden, heads, kv heads, head dim, intermediate)
 SHAPES = {

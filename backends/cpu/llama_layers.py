@@ -52,6 +52,7 @@ class CpuLlamaLayers:
     def __init__(self, lib: Any, linear: CpuLinearKernel) -> None:
         self.lib = lib
         self.linear = linear
+        self._chunked = hasattr(lib, "pagedkv_cpu_llama_scratch_rows")
         self._plans: weakref.WeakKeyDictionary[Any, _LayerPlan] = weakref.WeakKeyDictionary()
         self._last: tuple[Any, _LayerPlan] | None = None  # (layer, plan) of the last accepts
 
@@ -70,7 +71,7 @@ class CpuLlamaLayers:
         rows, dim = h.shape[-2], h.shape[-1]
         nq, nkv, head_dim = plan.nq, plan.nkv, plan.head_dim
         qkv = torch.empty((rows, nq + 2 * nkv), dtype=torch.float32)
-        xn = torch.empty((rows, dim), dtype=torch.float32)
+        xn = torch.empty((self._scratch_rows(rows), dim), dtype=torch.float32)
         cos, sin = cos.contiguous(), sin.contiguous()
         rc = self.lib.pagedkv_cpu_llama_attention_inputs(
             h.data_ptr(), rows, dim, plan.pointers[4], plan.eps[0], plan.pointers[0], nq, nkv, head_dim,
@@ -92,8 +93,9 @@ class CpuLlamaLayers:
         attn_out = attn_out.reshape(rows, nq)
         if attn_out.dtype != torch.float32 or not attn_out.is_contiguous():
             attn_out = attn_out.float().contiguous()
-        xn = torch.empty((rows, dim), dtype=torch.float32)
-        gu = torch.empty((rows, 2 * inter), dtype=torch.float32)
+        scratch = self._scratch_rows(rows)
+        xn = torch.empty((scratch, dim), dtype=torch.float32)
+        gu = torch.empty((scratch, 2 * inter), dtype=torch.float32)
         wqkv, wo, wgu, wdown, _, norm = plan.pointers
         rc = self.lib.pagedkv_cpu_llama_mlp(
             h.data_ptr(), rows, dim, attn_out.data_ptr(), nq, wo, norm, plan.eps[1], wgu, inter, wdown,
@@ -102,6 +104,12 @@ class CpuLlamaLayers:
         if rc != 0:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, o={nq}, intermediate={inter}")
         return h
+
+    def _scratch_rows(self, rows: int) -> int:
+        """Rows of scratch a call needs: the kernel goes through a long input a chunk of rows at a time (a library
+        built before that, bound for A/B runs, needs all of them)."""
+        chunk = self.lib.pagedkv_cpu_llama_scratch_rows() if self._chunked else rows
+        return min(rows, chunk)
 
     def _plan(self, layer: Any) -> _LayerPlan:
         last = self._last
