@@ -72,7 +72,8 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t pan
     const int cols = std::min(kNr, ncols - p * kNr);
     float bias_row[kNr] = {};
     if (bias != nullptr) std::memcpy(bias_row, bias + p * kNr, cols * sizeof(float));
-    for (int r = 0; r < MR; ++r) store_sum(y + r * ldy + p * kNr, acc[r][p][0], acc[r][p][1], bias_row, cols, accumulate);
+    for (int r = 0; r < MR; ++r)
+      store_sum(y + r * ldy + p * kNr, acc[r][p][0], acc[r][p][1], bias_row, cols, accumulate);
   }
 }
 
@@ -199,12 +200,15 @@ inline void block_tile_rows(int rows, std::integer_sequence<int, R...>, const fl
 // memory once and is used by all rows. Here each kKBlock-deep block of a panel (4 KB on AVX2) is taken by
 // every row tile while it is in L1, so the weight stream is spread evenly over all the multiply-adds; in
 // linear_chunk's loop the first row tile streams a whole group of panels from memory and the rest reread it
-// from L2, so the memory waits come in one burst the FMA units sit through. Rows are split into tiles of
-// equal size (32 rows: 6 6 5 5 5 5, not 6 x 5 + 2) so no tile has too few accumulators. Whole model's linears
-// (SmolLM2, 2 threads, Zen 3): 1.3-1.6x at 9-16 rows, 1.2x at 32, ~1.05x at 48-60 (benchmarks/JOURNAL.md).
-// Longer inputs take several passes, the weight comes from L3 after the first, and linear_chunk's loop is
-// faster there (this one 0.91-0.95x at 240-1,280 rows). The 4-lane build (SSE2 / NEON) multiplies at a
-// quarter of the AVX2 rate, so memory never holds it up: it keeps linear_chunk (blocked: 0.8-0.95x).
+// from L2, so the memory waits come in one burst the FMA units sit through. For the same reason the tiles
+// of a block share the prefetches of the next one when there are 4 or more (64 requests in one tile's few
+// hundred cycles are more than a core's miss buffers hold). Rows are split into tiles of equal size (32 rows:
+// 6 6 5 5 5 5, not 6 x 5 + 2) so no tile has too few accumulators. Whole model's linears (SmolLM2, 2 threads,
+// Zen 3) against linear_chunk's loop: 1.1-1.5x at 16 rows, 1.17-1.2x at 32, 1.07-1.1x at 48-60
+// (benchmarks/linear_ab.py, JOURNAL.md). Longer inputs take several passes, the weight comes from L3 after
+// the first, and linear_chunk's loop is as fast or faster there (this one 0.91-1.0x at 240-1,280 rows). The
+// 4-lane build (SSE2 / NEON) multiplies at a quarter of the AVX2 rate, so memory never holds it up: it keeps
+// linear_chunk (blocked: 0.8-0.95x).
 constexpr bool kBlockedPass = kLanes >= 8;
 inline void linear_blocked(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                            float* y, bool accumulate, int threads) {
