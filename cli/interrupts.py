@@ -5,6 +5,8 @@ asks the run loop to stop after the current step (so the engine's state stays
 whole, the partial summary is exact and the trace gets its ``end`` record); a
 second one stops at once. Outside it, SIGTERM raises :class:`Terminated` (a
 ``KeyboardInterrupt``), so ``finally`` blocks and exit handlers run either way.
+Once the command has returned, :class:`SignalsAfterReturn` holds signals back
+while the exit handlers run, so a late one changes the exit status, not the output.
 """
 
 from __future__ import annotations
@@ -74,3 +76,25 @@ class StopBetweenSteps:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
+
+
+class SignalsAfterReturn:
+    """For the exit after the command returned: from :meth:`hold` on, SIGINT/SIGTERM are noted, not raised.
+
+    The command's output (or its one-line error) is complete by then; a signal raised inside an exit
+    handler would print "Exception ignored in atexit callback" and a traceback, and cut short the
+    handler that closes a trace or telemetry file. :attr:`status` is 128 + the last signal, or None.
+    Nothing is restored: the process ends right after.
+    """
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+
+    def hold(self) -> SignalsAfterReturn:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.status = exit_status(signum)

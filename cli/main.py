@@ -10,7 +10,13 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.cli.interrupts import StopBetweenSteps, exit_status, raise_on_sigterm, report_interrupt
+from pagedkv.cli.interrupts import (
+    SignalsAfterReturn,
+    StopBetweenSteps,
+    exit_status,
+    raise_on_sigterm,
+    report_interrupt,
+)
 from pagedkv.cli.run_display import drive
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.startup_phases import mark, since_start
@@ -294,17 +300,25 @@ def entry() -> None:
     printed everything (issue 26), time in which the shell waits for nothing. The exit handlers still
     run (logging, telemetry files, plugins', tensor-parallel workers'), and both streams are flushed;
     only the module teardown is skipped. An exception leaves through the normal path (its traceback).
+    A SIGINT/SIGTERM that lands in main's own error report, or while the exit handlers run, ends the
+    process with 128 + its number and no traceback.
     """
     import atexit
     import os
 
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt as exc:  # inside main's except clauses, after its run or error report
+        code = report_interrupt(exc)
+    late = SignalsAfterReturn().hold()
     atexit._run_exitfuncs()  # what a normal exit runs first, in the same order
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (engine run | head): nothing left to deliver
             pass
+    if late.status is not None:
+        code = late.status
     os._exit(code if isinstance(code, int) else 0)
 
 

@@ -219,3 +219,47 @@ def test_an_interrupt_keeps_what_finished_and_ends_the_trace(base_model, tmp_pat
     assert len(report["completions"]) == 8 - summary["unfinished_requests"]
     last = json.loads(trace.read_bytes().splitlines()[-1])
     assert last["type"] == "end"
+
+
+# A signal after the command's work is done (a stray SIGTERM landed between `engine simulate`'s one-line error and
+# its exit in a CI run, and printed a `Terminated` traceback): the entry point's own exit path, with main replaced.
+_LATE_SIGNAL = """
+import atexit, os, signal, sys, time
+import pagedkv.cli.main as cli
+from pagedkv.cli.interrupts import raise_on_sigterm
+
+def closing_handler():
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(0.2)  # the signal is delivered while this handler still runs
+    print("handler finished", file=sys.stderr)
+
+def main():
+    raise_on_sigterm()
+    atexit.register(closing_handler)
+    {body}
+
+cli.main = main
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_exit_handlers_changes_the_status_not_the_output(sig):
+    body = 'print("engine: error: no such thing", file=sys.stderr); return 2'
+    proc = subprocess.run([sys.executable, "-c", _LATE_SIGNAL.format(sig=sig, body=body)], capture_output=True,
+                          timeout=120, cwd=ROOT)
+    err = proc.stderr.decode()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.splitlines() == ["engine: error: no such thing", "handler finished"], err
+    assert proc.returncode == 128 + getattr(signal, sig)
+
+
+def test_a_signal_inside_mains_error_report_is_one_more_line():
+    body = ('print("engine: error: no such thing", file=sys.stderr); os.kill(os.getpid(), signal.SIGTERM); '
+            'time.sleep(5); return 2')
+    proc = subprocess.run([sys.executable, "-c", _LATE_SIGNAL.format(sig="SIGTERM", body=body)], capture_output=True,
+                          timeout=120, cwd=ROOT)
+    err = proc.stderr.decode()
+    assert "Traceback" not in err, err
+    assert err.splitlines()[:2] == ["engine: error: no such thing", "engine: terminated (SIGTERM)"], err
+    assert proc.returncode == 128 + signal.SIGTERM
