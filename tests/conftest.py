@@ -136,7 +136,7 @@ def cpu_kernel_build(isa: str):
     from pagedkv.backends.cpu import build
 
     if not build.runnable(isa):
-        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.X86_VARIANTS[isa][1])})")
+        pytest.skip(f"this CPU cannot execute the {isa} build (flags: {sorted(build.required_flags(isa))})")
     try:
         lib = build.load(isa)
     except build.BuildError as exc:

@@ -23,7 +23,7 @@ GUARD = 64  # NaN floats after each buffer: a read past its end poisons a result
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", params=build.variants())
+@pytest.fixture(scope="module", params=build.checked_variants())
 def kernel(request) -> CpuLinearKernel:
     isa = request.param
     lib = cpu_kernel_build(isa)

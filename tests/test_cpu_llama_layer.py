@@ -27,7 +27,7 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=build.variants())
+@pytest.fixture(scope="module", params=build.checked_variants())
 def layers(request) -> CpuLlamaLayers:
     isa = request.param
     lib = cpu_kernel_build(isa)

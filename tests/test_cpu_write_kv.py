@@ -12,7 +12,7 @@ from pagedkv.backends.cpu.backend import CpuBackend
 from pagedkv.backends.torch_ref import TorchBackend
 
 
-@pytest.fixture(scope="module", params=build.variants())
+@pytest.fixture(scope="module", params=build.checked_variants())
 def backend(request) -> CpuBackend:
     return CpuBackend(cpu_kernel_build(request.param))
 

@@ -145,7 +145,7 @@ def test_a_row_with_the_nan_scale_code_reads_as_nan(backend, kv_dtype):
     assert_nan_scale_read(backend.attend(q, k_cache, v_cache, meta, 0.125))
 
 
-@pytest.fixture(scope="module", params=build.variants())
+@pytest.fixture(scope="module", params=build.checked_variants())
 def int8_kernel(request):
     """The cpu backend on each build of the kernel this CPU executes (avx512 / avx2 / generic: each has its
     own int8 row widening in simd.h)."""

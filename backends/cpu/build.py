@@ -42,7 +42,13 @@ X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
              frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})),
     "generic": (("-march=x86-64", "-mtune=native"), frozenset()),
 }
-LANES = {"avx512": 16, "avx2": 8, "generic": 4}  # what pagedkv_cpu_lanes() of each build returns
+# Test builds, never loaded for serving: "avx512-shape" is the AVX-512 build's widths and register tiles
+# emitted as AVX2 instructions (simd.h), so the kernel tests run the AVX-512 build's loops on AVX2 machines.
+CHECK_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512-shape": (("-march=x86-64-v3", "-mtune=native", "-DPAGEDKV_AVX512_SHAPE"), X86_VARIANTS["avx2"][1]),
+}
+# what pagedkv_cpu_lanes() of each build returns
+LANES = {"avx512": 16, "avx2": 8, "generic": 4, "avx512-shape": 16}
 
 
 class BuildError(RuntimeError):
@@ -69,12 +75,22 @@ def variants() -> tuple[str, ...]:
     return tuple(X86_VARIANTS) if is_x86() else ("native",)
 
 
+def checked_variants() -> tuple[str, ...]:
+    """The builds the kernel tests run where the CPU allows: every build, and on x86 the test builds."""
+    return (*variants(), *CHECK_VARIANTS) if is_x86() else variants()
+
+
+def required_flags(isa: str) -> frozenset[str]:
+    """The /proc/cpuinfo flags a CPU needs to run the ``isa`` build (x86 builds only)."""
+    return {**X86_VARIANTS, **CHECK_VARIANTS}[isa][1]
+
+
 def runnable(isa: str, cpu_flags: str | None = None) -> bool:
     """Whether this CPU (or one with ``cpu_flags``) executes the ``isa`` build."""
     if isa == "native":
         return not is_x86()
     flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
-    return is_x86() and X86_VARIANTS[isa][1] <= flags
+    return is_x86() and required_flags(isa) <= flags
 
 
 def best_isa(cpu_flags: str | None = None) -> str:
@@ -88,7 +104,7 @@ def best_isa(cpu_flags: str | None = None) -> str:
 
 
 def march(isa: str) -> tuple[str, ...]:
-    return ("-march=native",) if isa == "native" else X86_VARIANTS[isa][0]
+    return ("-march=native",) if isa == "native" else {**X86_VARIANTS, **CHECK_VARIANTS}[isa][0]
 
 
 def compiler() -> str | None:

@@ -15,7 +15,15 @@
 #pragma once
 
 
-#if defined(__AVX512F__)
+// PAGEDKV_AVX512_SHAPE (a test build, build.py's "avx512-shape"): the AVX-512 build's widths and register
+// tiles emitted as AVX2 instructions (GCC splits each 16-lane vector in two), so that a machine without
+// AVX-512 still executes every loop bound, tile size and shuffle mask the AVX-512 build runs. Only the
+// instruction selection and the int8 row widening below differ from the real AVX-512 build.
+#if defined(PAGEDKV_AVX512_SHAPE)
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+constexpr const char* kIsaName = "avx512-shape";
+#elif defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kRegisters = 32;
 constexpr const char* kIsaName = "avx512";
@@ -90,10 +98,10 @@ inline vfloat load_row<uint16_t>(const uint16_t* p) {
 // and one int->float conversion a vector on AVX2 / AVX-512, lane by lane elsewhere.
 template <>
 inline vfloat load_row<int8_t>(const int8_t* p) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(PAGEDKV_AVX512_SHAPE)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && !defined(PAGEDKV_AVX512_SHAPE)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 #else
