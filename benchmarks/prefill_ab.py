@@ -59,6 +59,37 @@ def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: f
     return out.transpose(1, 2).reshape(batch * length, HEADS, DIM)
 
 
+def time_case(name: str, kernels: dict[str, CpuBackend], rounds: int) -> None:
+    """Check every kernel against SDPA on case ``name``, then time them alternately and print the table."""
+    batch, length = CASES[name]
+    query, k_cache, v_cache, meta, keys, values = make_case(batch, length)
+    scale = 1.0 / math.sqrt(DIM)
+    reference = TorchBackend("cpu")
+    by_torch = CpuBackend(build.load(), routes=Routes(prefill=TORCH))
+    runs = {key: (lambda b=b: b.attend(query, k_cache, v_cache, meta, scale)) for key, b in kernels.items()}
+    runs["torch backend"] = lambda: reference.attend(query, k_cache, v_cache, meta, scale)
+    runs["cpu, prefill route torch"] = lambda: by_torch.attend(query, k_cache, v_cache, meta, scale)
+    runs["sdpa"] = lambda: sdpa(query, keys, values, scale)
+    expected = runs["sdpa"]().double()
+    for key, fn in runs.items():
+        torch.testing.assert_close(fn().double(), expected, atol=5e-5, rtol=5e-5, msg=lambda m, k=key: f"{k}: {m}")
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, fn in runs.items():
+            started = time.thread_time()
+            fn()
+            times[key].append(time.thread_time() - started)
+    flops = 2 * 2 * batch * HEADS * DIM * length * (length + 1) / 2  # Q.K and P.V, causal
+    ref = statistics.median(times["ref"]) if "ref" in times else None
+    print(f"\n{name} ({build.best_isa()}, 1 thread, {rounds} rounds)")
+    print("| kernel | best ms | median ms | GF/s (median) | x ref |")
+    print("|---|---|---|---|---|")
+    for key, ts in times.items():
+        med = statistics.median(ts)
+        ratio = f"{ref / med:.2f}" if ref else "-"
+        print(f"| {key} | {min(ts) * 1e3:.1f} | {med * 1e3:.1f} | {flops / med / 1e9:.1f} | {ratio} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8)
@@ -66,38 +97,12 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="default: all")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    scale = 1.0 / math.sqrt(DIM)
     with tempfile.TemporaryDirectory() as tmp:
-        backends = {"this": CpuBackend(build.load())}
-        reference = TorchBackend("cpu")
-        by_torch = CpuBackend(build.load(), routes=Routes(prefill=TORCH))
+        kernels = {"this": CpuBackend(build.load())}
         if args.ref is not None:
-            backends["ref"] = CpuBackend(compile_tree(args.ref, Path(tmp)))
+            kernels["ref"] = CpuBackend(compile_tree(args.ref, Path(tmp)))
         for name in args.case or sorted(CASES):
-            batch, length = CASES[name]
-            query, k_cache, v_cache, meta, keys, values = make_case(batch, length)
-            runs = {key: (lambda b=b: b.attend(query, k_cache, v_cache, meta, scale)) for key, b in backends.items()}
-            runs["torch backend"] = lambda: reference.attend(query, k_cache, v_cache, meta, scale)
-            runs["cpu, prefill route torch"] = lambda: by_torch.attend(query, k_cache, v_cache, meta, scale)
-            runs["sdpa"] = lambda: sdpa(query, keys, values, scale)
-            expected = runs["sdpa"]().double()
-            for key, fn in runs.items():
-                torch.testing.assert_close(fn().double(), expected, atol=5e-5, rtol=5e-5, msg=lambda m, k=key: f"{k}: {m}")
-            times: dict[str, list[float]] = {key: [] for key in runs}
-            for _ in range(args.rounds):
-                for key, fn in runs.items():
-                    started = time.thread_time()
-                    fn()
-                    times[key].append(time.thread_time() - started)
-            flops = 2 * 2 * batch * HEADS * DIM * length * (length + 1) / 2  # Q.K and P.V, causal
-            ref = statistics.median(times["ref"]) if "ref" in times else None
-            print(f"\n{name} ({build.best_isa()}, 1 thread, {args.rounds} rounds)")
-            print("| kernel | best ms | median ms | GF/s (median) | x ref |")
-            print("|---|---|---|---|---|")
-            for key, ts in times.items():
-                med = statistics.median(ts)
-                ratio = f"{ref / med:.2f}" if ref else "-"
-                print(f"| {key} | {min(ts) * 1e3:.1f} | {med * 1e3:.1f} | {flops / med / 1e9:.1f} | {ratio} |")
+            time_case(name, kernels, args.rounds)
 
 
 if __name__ == "__main__":
