@@ -15,30 +15,24 @@ other 8-bit case takes.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
 
 import torch
+from paged_case import BLOCK, HEAD_DIM, HEADS, random_paged_cache
 
 from pagedkv.backends.cpu.backend import CpuBackend
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 from pagedkv.core.kv.kv_dtype import quantize_rows
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
 
 def case(ctx: int, batch: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    per_seq = math.ceil(ctx / BLOCK)
-    num_blocks = batch * per_seq
-    k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).tolist()
-    meta = AttentionMetadata.build(block_tables=tables, context_lens=[ctx - 1] * batch, query_lens=[1] * batch,
-                                   block_size=BLOCK)
+    k, v, tables = random_paged_cache(batch, ctx, gen)
+    meta = AttentionMetadata.build(block_tables=tables.tolist(), context_lens=[ctx - 1] * batch,
+                                   query_lens=[1] * batch, block_size=BLOCK)
     return torch.randn(batch, HEADS, HEAD_DIM, generator=gen), k, v, meta
 
 

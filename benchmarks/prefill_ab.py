@@ -26,44 +26,40 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from linear_ab import compile_tree
+from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
 
 from pagedkv.backends.cpu import CpuBackend, build
 from pagedkv.backends.cpu.route_table import TORCH, Routes
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
-HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 CASES = {"1x2048": (1, 2048), "8x256": (8, 256)}
 
 
 def make_case(batch: int, length: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    per_seq = math.ceil(length / BLOCK)
-    num_blocks = batch * per_seq
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq)
+    k_cache, v_cache, tables = random_paged_cache(batch, length, gen)
     meta = AttentionMetadata.build(block_tables=tables.tolist(), context_lens=[0] * batch,
                                    query_lens=[length] * batch, block_size=BLOCK)
-    query = torch.randn(batch * length, HEADS, DIM, generator=gen)
+    query = torch.randn(batch * length, HEADS, HEAD_DIM, generator=gen)
     # the same K/V contiguous, [batch, kv_heads, length, dim], for SDPA
-    keys = k_cache[tables].reshape(batch, length, KV_HEADS, DIM).transpose(1, 2).contiguous()
-    values = v_cache[tables].reshape(batch, length, KV_HEADS, DIM).transpose(1, 2).contiguous()
+    keys = k_cache[tables].reshape(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    values = v_cache[tables].reshape(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     return query, k_cache, v_cache, meta, keys, values
 
 
 def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     batch, length = keys.shape[0], keys.shape[2]
-    q = query.view(batch, length, HEADS, DIM).transpose(1, 2)
+    q = query.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(batch * length, HEADS, DIM)
+    return out.transpose(1, 2).reshape(batch * length, HEADS, HEAD_DIM)
 
 
 def time_case(name: str, kernels: dict[str, CpuBackend], rounds: int) -> None:
     """Check every kernel against SDPA on case ``name``, then time them alternately and print the table."""
     batch, length = CASES[name]
     query, k_cache, v_cache, meta, keys, values = make_case(batch, length)
-    scale = 1.0 / math.sqrt(DIM)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
     reference = TorchBackend("cpu")
     by_torch = CpuBackend(build.load(), routes=Routes(prefill=TORCH))
     runs = {key: (lambda b=b: b.attend(query, k_cache, v_cache, meta, scale)) for key, b in kernels.items()}
@@ -79,7 +75,7 @@ def time_case(name: str, kernels: dict[str, CpuBackend], rounds: int) -> None:
             started = time.thread_time()
             fn()
             times[key].append(time.thread_time() - started)
-    flops = 2 * 2 * batch * HEADS * DIM * length * (length + 1) / 2  # Q.K and P.V, causal
+    flops = 2 * 2 * batch * HEADS * HEAD_DIM * length * (length + 1) / 2  # Q.K and P.V, causal
     ref = statistics.median(times["ref"]) if "ref" in times else None
     print(f"\n{name} ({build.best_isa()}, 1 thread, {rounds} rounds)")
     print("| kernel | best ms | median ms | GF/s (median) | x ref |")

@@ -15,17 +15,16 @@ floor is measured with the same clock, right before.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
 
 import pytest
 import torch
+from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
 
 from conftest import facts
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 BATCH = 64
 ROUNDS = int(os.environ.get("PAGEDKV_CPU_ATTN_ROUNDS", "7"))
 GOAL_PCT = 50.0
@@ -49,13 +48,9 @@ def decode_case(ctx: int, seed: int = 0):
     from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
-    per_seq = math.ceil(ctx / BLOCK)
-    num_blocks = BATCH * per_seq
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen).view(BATCH, per_seq).tolist()
-    meta = AttentionMetadata.build(block_tables=tables, context_lens=[ctx - 1] * BATCH, query_lens=[1] * BATCH,
-                                   block_size=BLOCK)
+    k_cache, v_cache, tables = random_paged_cache(BATCH, ctx, gen)
+    meta = AttentionMetadata.build(block_tables=tables.tolist(), context_lens=[ctx - 1] * BATCH,
+                                   query_lens=[1] * BATCH, block_size=BLOCK)
     query = torch.randn(BATCH, HEADS, HEAD_DIM, generator=gen)
     return query, k_cache, v_cache, meta
 
