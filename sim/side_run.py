@@ -5,12 +5,19 @@ they share nothing, so on a machine with two or more cores the baseline runs in 
 process (forked: the workload is not copied or pickled) while the parent runs the paged
 one. The child's progress and result come back through a pipe; an exception in the child
 is raised again in the parent. Where ``fork`` is not available the caller runs it inline.
+
+The child is a daemon: a parent that ends first (its own run failed, or Ctrl-C) has it
+terminated with SIGTERM at exit. The fork would keep the parent's handlers (the CLI's raises
+``Terminated``), so the child takes the default SIGTERM and ignores SIGINT (the parent,
+in the same process group, decides what Ctrl-C means): it ends silently, never with a
+traceback under the parent's one-line error.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +69,9 @@ class SideRun:
 
 
 def _child(target: Callable[[Progress | None], Any], send: Any, report_progress: bool) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def progress(done: int, total: int) -> None:
         send.send(("progress", done, total))
 

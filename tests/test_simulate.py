@@ -284,3 +284,41 @@ def test_a_failure_in_the_side_run_is_raised_in_the_parent():
     with pytest.raises(SimulationError, match="static run broke"):
         SideRun(broken, report_progress=False).result()
     assert SideRun(lambda progress: {"ok": [1, 2]}, report_progress=False).result() == {"ok": [1, 2]}
+
+
+_PARENT_LEAVES_EARLY = """
+import sys, time
+from pagedkv.cli.interrupts import raise_on_sigterm
+from pagedkv.sim.side_run import SideRun
+
+class SlowToSend(Exception):
+    def __reduce__(self):  # the child is still sending its error when the parent leaves
+        time.sleep(30)
+        return (SlowToSend, ())
+
+
+def fail(progress):
+    raise SlowToSend()
+
+
+raise_on_sigterm()  # as the engine command does before it starts a simulation
+side = SideRun(fail, report_progress=False)
+time.sleep(1.0)
+print("engine: error: the paged run failed", file=sys.stderr)
+sys.exit(2)  # multiprocessing terminates the daemon child at exit
+"""
+
+
+def test_a_side_run_ended_by_its_parents_exit_prints_nothing():
+    """The flaky CI failure: simulate's one-line error, then the forked child's `Terminated` traceback."""
+    import subprocess
+    import sys
+
+    from pagedkv.sim.side_run import can_fork
+
+    if not can_fork():
+        pytest.skip("no fork on this platform")
+    proc = subprocess.run([sys.executable, "-c", _PARENT_LEAVES_EARLY], capture_output=True, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err.splitlines() == ["engine: error: the paged run failed"], err
