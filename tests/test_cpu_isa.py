@@ -7,12 +7,10 @@ by test_cpu_backend.py and test_cpu_decode.py (their ``backend`` fixture is para
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from pagedkv.backends.cpu import build, routes
+from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.routes import Routes
 
 AVX512 = "fpu sse2 avx avx2 fma bmi1 bmi2 f16c movbe abm xsave avx512f avx512bw avx512cd avx512dq avx512vl"
@@ -70,49 +68,6 @@ def test_builds_are_cached_per_instruction_set():
     assert len(names) == len(build.checked_variants())
 
 
-def test_routes_by_features_need_no_measurement(monkeypatch, tmp_path):
-    # AVX2 is known by its features for attention and the linear; AVX-512 for attention only, so its linear
-    # (and only that) is measured once against oneDNN and cached
-    asked = []
-
-    def measure(lib, **phases):
-        asked.append(phases)
-        return Routes(linear=routes.TORCH)
-
-    monkeypatch.setattr(routes, "measure", measure)
-    assert set(routes.FAST_BY_FEATURES) == {"avx512", "avx2"} and routes.LINEAR_BY_FEATURES == ("avx2",)
-    assert routes.routes_for(None, "avx2", tmp_path / "avx2.json") == Routes()
-    assert asked == [] and not any(tmp_path.iterdir())
-    cache = tmp_path / "avx512.json"
-    assert routes.routes_for(None, "avx512", cache) == Routes(linear=routes.TORCH)
-    assert asked == [{"attention": False, "linear": True}]
-    assert json.loads(cache.read_text()) == {"decode": "kernel", "prefill": "kernel", "linear": "torch"}
-    assert routes.routes_for(None, "avx512", cache) == Routes(linear=routes.TORCH) and len(asked) == 1
-
-
-def test_other_builds_are_measured_once_and_cached(monkeypatch, tmp_path):
-    lib = build.load(build.variants()[-1])
-    cache = tmp_path / "generic.routes.json"
-    measured = routes.routes_for(lib, "generic", cache)
-    assert {measured.decode, measured.prefill, measured.linear} <= {routes.KERNEL, routes.TORCH}
-    assert json.loads(cache.read_text()) == {"decode": measured.decode, "prefill": measured.prefill,
-                                             "linear": measured.linear}
-    monkeypatch.setattr(routes, "measure", lambda lib, **phases: pytest.fail("measured again despite the cache"))
-    assert routes.routes_for(lib, "generic", cache) == measured
-    cache.write_text(json.dumps({"decode": "torch", "prefill": "kernel"}))  # (a cache from before the linear)
-    assert routes.routes_for(lib, "generic", cache) == Routes(decode="torch")
-    cache.write_text(json.dumps({"decode": "kernel", "prefill": "torch", "linear": "torch"}))
-    assert routes.routes_for(lib, "generic", cache) == Routes(prefill="torch", linear="torch")
-
-
-def test_measure_takes_the_phases_asked_for(monkeypatch):
-    monkeypatch.setattr(routes, "_measure_attention", lambda lib, repeats: {"decode": "torch", "prefill": "torch"})
-    monkeypatch.setattr(routes, "_measure_linear", lambda lib, repeats: "torch")
-    assert routes.measure(None, attention=False, linear=True) == Routes(linear="torch")
-    assert routes.measure(None, attention=True, linear=False) == Routes(decode="torch", prefill="torch")
-    assert routes.measure(None, attention=False, linear=False) == Routes()
-
-
 def test_linear_route_decides_the_backend_kernels():
     from pagedkv.backends.cpu import CpuBackend
 
@@ -121,14 +76,6 @@ def test_linear_route_decides_the_backend_kernels():
     assert CpuBackend(lib, routes=Routes()).llama_layer_kernel is not None
     by_torch = CpuBackend(lib, routes=Routes(linear="torch"))
     assert by_torch.linear_kernel is None and by_torch.llama_layer_kernel is None
-
-
-def test_unreadable_route_cache_is_measured_again(tmp_path, caplog):
-    cache = tmp_path / "generic.routes.json"
-    cache.write_text("{not json")
-    got = routes.routes_for(build.load(build.variants()[-1]), "generic", cache)
-    assert json.loads(cache.read_text()) == {"decode": got.decode, "prefill": got.prefill, "linear": got.linear}
-    assert any("unreadable" in r.getMessage() for r in caplog.records)
 
 
 def test_prefill_by_torch_sends_no_prefill_to_the_kernel(monkeypatch):
