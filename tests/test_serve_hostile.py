@@ -264,7 +264,7 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_blocks_freed(fr
         pass
     reader.close()
     assert received.startswith(b"HTTP/1.1 200")
-    assert b"data: [DONE]" not in received  # cut off, not finished late once the client read again
+    assert b"data: [DONE]" not in received, len(received)  # cut off, not finished late once the client read again
     assert post(url, "/v1/completions", {"prompt": "c", "max_tokens": 4}).status_code == 200
 
 

@@ -90,7 +90,7 @@ def default_routes(lib) -> Routes:  # noqa: ANN001 - a ctypes library from build
 def routes_for(lib, isa: str, cache_file: Path | None, mode: Routes | str = "auto") -> Routes:  # noqa: ANN001
     """The routes of the ``isa`` build: forced, by features, else the cached (or a fresh) measurement."""
     if isinstance(mode, Routes):
-        log.info("pagedkv: the %s CPU kernel build runs %s (%s)", isa, _describe(mode), ENV)
+        log.debug("pagedkv: the %s CPU kernel build runs %s (%s)", isa, _describe(mode), ENV)
         return mode
     if mode == "auto" and isa in FAST_BY_FEATURES:
         return Routes()
