@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--monitor", action="store_true", help="watch the run in the live block-map dashboard")
     monitor = sub.add_parser("monitor", help="the live block-map dashboard: --connect ADDR or --replay FILE",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from pagedkv.monitor.main import add_arguments as add_monitor_arguments
+    from pagedkv.cli.monitor import add_arguments as add_monitor_arguments
 
     add_monitor_arguments(monitor)
     plugins = sub.add_parser("plugins", help="list loaded plugins: distribution, version, hooks they implement")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(simulate)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from pagedkv.serve.cli import add_arguments as add_serve_arguments
+    from pagedkv.cli.serve import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
     return parser
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return cmd_simulate(args)
         if args.command == "serve":
-            from pagedkv.serve.cli import run as run_serve
+            from pagedkv.cli.serve import run as run_serve
 
             return run_serve(args)
         if args.command == "monitor":
-            from pagedkv.monitor.main import run as run_monitor
+            from pagedkv.cli.monitor import run as run_monitor
 
             return run_monitor(args)
     except PagedKVError as exc:
@@ -124,7 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from pagedkv.core.sample.sampling_params import SamplingParams
 
     if getattr(args, "monitor", False):
-        from pagedkv.monitor.main import run_with_monitor
+        from pagedkv.monitor.launch import run_with_monitor
 
         return run_with_monitor(args, cmd_run)
     check_run_args(args)

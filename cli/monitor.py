@@ -1,40 +1,9 @@
-"""Entry points: ``engine monitor --connect ADDR | --replay FILE [--speed X]`` and ``engine run --monitor``.
-
-Textual is imported here, lazily, and only by the monitor: the engine and the
-telemetry plugin never need it.
-"""
+"""``engine monitor --connect ADDR | --replay FILE [--speed X]``: the live block-map dashboard
+(``monitor/launch.py`` starts it)."""
 
 from __future__ import annotations
 
 import argparse
-import copy
-import os
-import signal
-import sys
-import tempfile
-import threading
-from collections.abc import Callable
-from typing import Any
-
-from pagedkv.core.errors import PagedKVError
-
-
-class MonitorError(PagedKVError):
-    """The monitor cannot start (missing Textual, unreadable trace, bad address)."""
-
-
-def _need_textual() -> None:
-    try:
-        import textual  # noqa: F401
-    except ImportError:
-        raise MonitorError("the monitor needs Textual: pip install 'pagedkv[monitor]'") from None
-
-
-def _need_terminal() -> None:
-    """The dashboard draws on a terminal; into a pipe or a file it would only write escape codes forever."""
-    if not (sys.stdout.isatty() and sys.stdin.isatty()):
-        raise MonitorError("the monitor is a terminal dashboard, and stdin/stdout is not a terminal; run it in one "
-                           "(for a record of a run, use engine run --trace FILE)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,98 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``engine monitor``: returns the exit status."""
-    from pagedkv.plugins.telemetry_address import parse_address
+    from pagedkv.monitor.launch import watch
 
-    if args.connect:
-        parse_address(args.connect, allow_port_zero=False)  # refuse a non-loopback address up front
-    _need_textual()
-    from pagedkv.core.trace import TraceError
-    from pagedkv.monitor.app import MonitorApp, load_replay
-
-    if args.replay:
-        try:
-            trace = load_replay(args.replay)
-        except TraceError as exc:
-            raise MonitorError(str(exc)) from None
-        if not trace.messages:
-            raise MonitorError(str(trace.error))
-        _need_terminal()  # after the trace is read: a bad file is reported as such
-        app = MonitorApp(trace=trace, speed=args.speed)
-    else:
-        _need_terminal()
-        app = MonitorApp(connect=args.connect)
-    return _run_app(app)
-
-
-def _run_app(app: Any) -> int:
-    """Run the dashboard; the exit status once it is gone: 143 if SIGTERM closed it, else 0.
-
-    Textual's loop takes SIGTERM over and, closing, resets it to the default; the handler the
-    caller had (the CLI's, which raises so clean-up runs) is put back here, so SIGTERM during the
-    rest of ``engine run --monitor`` still stops the run cleanly.
-    """
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        app.run()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return 143 if getattr(app, "terminated", False) else 0
-
-
-def run_with_monitor(args: argparse.Namespace, cmd_run: Callable[[argparse.Namespace], int]) -> int:
-    """``engine run --monitor``: the engine works on a thread while the dashboard runs in this process.
-
-    Telemetry goes over a private Unix socket (in a fresh 0700 directory) unless
-    ``--telemetry`` names one. What the run prints is shown after the dashboard closes.
-    """
-    _need_textual()
-    _need_terminal()
-    from pagedkv.monitor.app import MonitorApp
-
-    run_args = copy.copy(args)
-    run_args.monitor = False
-    tmpdir = None
-    if getattr(args, "telemetry", None):
-        from pagedkv.plugins.telemetry_address import parse_address
-
-        parse_address(args.telemetry, allow_port_zero=False)  # the dashboard must know where to connect
-    else:
-        tmpdir = tempfile.mkdtemp(prefix="pagedkv-monitor-")
-        run_args.telemetry = f"unix:{os.path.join(tmpdir, 'telemetry.sock')}"
-    result: dict = {}
-
-    def work() -> None:
-        try:
-            result["rc"] = cmd_run(run_args)
-        except PagedKVError as exc:
-            result["error"] = exc
-        except Exception as exc:  # noqa: BLE001 - reported after the dashboard closes
-            result["error"] = exc
-
-    captured: list[str] = []
-    worker = threading.Thread(target=work, name="pagedkv-engine", daemon=True)
-    app = MonitorApp(connect=run_args.telemetry, on_start=worker.start, capture=captured)
-    status = _run_app(app)
-    sys.stdout.write("".join(captured))
-    if status:
-        print("engine: terminated (SIGTERM)", file=sys.stderr, flush=True)
-        return status
-    if worker.is_alive():
-        print("engine: the monitor was closed; the run goes on (Ctrl-C to stop it)", file=sys.stderr, flush=True)
-        try:
-            worker.join()
-        except KeyboardInterrupt:
-            return 130
-    if tmpdir is not None:
-        try:
-            os.rmdir(tmpdir)
-        except OSError:
-            pass
-    if "error" in result:
-        error = result["error"]
-        if isinstance(error, PagedKVError):
-            raise error
-        raise MonitorError(f"the engine failed: {error!r}")
-    return int(result.get("rc", 1))
+    return watch(connect=args.connect, replay=args.replay, speed=args.speed)

@@ -1,4 +1,4 @@
-"""``engine serve``: load the model, start the engine thread, serve the OpenAI API with uvicorn.
+"""``engine serve``: the arguments, the model loaded from them, and the server (``serve/server.py``) run.
 
 SIGINT/SIGTERM: stop accepting (new requests get 503), let in-flight requests run for
 ``--shutdown-timeout`` seconds, then end whatever is left with finish reason ``abort``
@@ -8,17 +8,11 @@ SIGINT/SIGTERM: stop accepting (new requests get 503), let in-flight requests ru
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import sys
-import threading
 from typing import Any
 
 from pagedkv.serve.request_rules import DEFAULT_MAX_REQUEST_BYTES
-
-log = logging.getLogger("pagedkv.serve")
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,20 +88,36 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"engine serve needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
-    from pagedkv.cli.engine_args import engine_config, take_positional_model
-
-    with phase("torch and the engine imported"):
-        from pagedkv.core.engine import Engine
-    from pagedkv.core.errors import ConfigError
-    from pagedkv.core.model.model_loader import DEFAULT_MODEL
-    from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
-    from pagedkv.serve.generation_defaults import load_chat_template, sampling_defaults
+    from pagedkv.cli.engine_args import take_positional_model
     from pagedkv.serve.serve_checks import check_serve_args
 
+    with phase("torch and the engine imported"):
+        from pagedkv.core.engine import Engine  # noqa: F401 - timed here, used by _load_engine
     take_positional_model(args)
     api_key = check_serve_args(args)  # before the model loads: a bad flag costs a line, not a minute
+    loaded = _load_engine(args)
+    if loaded is None:
+        return 2
+    engine, defaults = loaded
+    try:
+        _serve(engine, args, api_key, defaults)
+    finally:
+        if engine.config.telemetry or engine.config.trace:
+            from pagedkv.plugins.telemetry import close as close_telemetry
 
-    take_positional_model(args)
+            close_telemetry(engine)
+        engine.close()  # tensor-parallel workers, if any
+    return 0
+
+
+def _load_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]] | None:
+    """The engine the flags describe and the sampling defaults it serves with; None after a flag error."""
+    from pagedkv.cli.engine_args import engine_config
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.errors import ConfigError
+    from pagedkv.core.sample.sampling_params import MAX_LOGPROBS
+    from pagedkv.serve.generation_defaults import load_chat_template, sampling_defaults
+
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ConfigError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (pagedkv's cap), got {args.max_logprobs}")
     template = load_chat_template(args.chat_template) if args.chat_template else None
@@ -118,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("engine: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
-        return 2
+        return None
     engine = Engine(config)
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
@@ -126,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     if defaults:
         print(f"engine serve: sampling defaults from the model's generation config: {defaults} "
               "(--generation-config vllm turns them off)", file=sys.stderr, flush=True)
+    return engine, defaults
+
+
+def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults: dict[str, Any]) -> None:
+    """Run the server for ``engine`` until a signal stops it."""
+    from pagedkv.core.model.model_loader import DEFAULT_MODEL
+    from pagedkv.serve.server import make_server
+
     names = args.served_model_name or [
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL]
     name = names[0]
@@ -140,116 +158,4 @@ def run(args: argparse.Namespace) -> int:
                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
-    try:
-        server.run()
-    finally:
-        if config.telemetry or config.trace:
-            from pagedkv.plugins.telemetry import close as close_telemetry
-
-            close_telemetry(engine)
-        engine.close()  # tensor-parallel workers, if any
-    return 0
-
-
-def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-                log_level: str = "warning", api_key: str | None = None, max_waiting: int = 256,
-                shutdown_timeout: float = 10.0, tokenizer: Any = None,
-                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, header_timeout: float = 5.0,
-                send_timeout: float | None = 60.0, body_timeout: float = 30.0, timeout_keep_alive: float = 5.0,
-                limit_concurrency: int | None = 1024,
-                enable_docs: bool = False, served_model_names: list[str] | None = None,
-                sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
-                metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
-                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Any:
-    """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
-    import uvicorn
-
-    from pagedkv.serve.async_engine import AsyncEngine
-    from pagedkv.serve.connection_guard import guarded_protocol
-    from pagedkv.serve.metrics import ServerMetrics
-    from pagedkv.serve.openai_app import ServerState, build_app
-
-    if api_key is not None and not api_key.strip():
-        raise ValueError("an empty API key would turn authentication off")
-    metrics = ServerMetrics(model_name, prefix=metrics_prefix)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
-    state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
-                        max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
-                        served_model_names=served_model_names, sampling_defaults=sampling_defaults,
-                        max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
-                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
-    app = build_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
-                            access_log=log_level == "debug", http=guarded_protocol(header_timeout, send_timeout),
-                            timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
-    return _GracefulServer(config, async_engine, shutdown_timeout)
-
-
-def _server_class() -> type:
-    import uvicorn
-
-    logging.getLogger("uvicorn.error").addFilter(_drop_cancelled_requests)
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn's server, with a shutdown that drains the engine instead of re-raising the signal."""
-
-        def __init__(self, config: Any, async_engine: Any, shutdown_timeout: float) -> None:
-            super().__init__(config)
-            self.async_engine = async_engine
-            self.shutdown_timeout = shutdown_timeout
-            self._timer: threading.Timer | None = None
-            self._force: threading.Timer | None = None
-
-        async def startup(self, sockets: Any = None) -> None:
-            from pagedkv.core.startup_phases import phase
-            from pagedkv.serve.accept_guard import guard_accept
-            from pagedkv.serve.connection_guard import quiet_accept_errors
-
-            loop = asyncio.get_running_loop()
-            quiet_accept_errors(loop)  # for loops the guard cannot wrap
-            shed = getattr(self.config.http, "shed_waiting", None)
-            if shed is not None:
-                guard_accept(loop, shed)
-            with phase("server listening"):
-                await super().startup(sockets=sockets)
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # uvicorn re-raises a captured signal after shutting down (a traceback for SIGINT,
-            # exit code -15 for SIGTERM); a server stopped by a signal is a clean stop here.
-            if self.should_exit:  # a second signal: end every request now, answered ('abort'), then go
-                self.async_engine.abort_all()
-                if self._force is None:
-                    self._force = threading.Timer(_FORCE_AFTER_S, self._force_exit)
-                    self._force.daemon = True
-                    self._force.start()
-                return
-            self.begin_shutdown()
-
-        def _force_exit(self) -> None:
-            self.force_exit = True
-
-        def begin_shutdown(self) -> None:
-            """Stop accepting; in-flight requests go on for ``shutdown_timeout`` s, then end with 'abort'."""
-            if self.should_exit:
-                return
-            log.info("shutting down: no new requests; in-flight ones have %.0f s", self.shutdown_timeout)
-            self.async_engine.drain()
-            self._timer = threading.Timer(self.shutdown_timeout, self.async_engine.abort_all)
-            self._timer.daemon = True
-            self._timer.start()
-            self.should_exit = True
-
-    return GracefulServer
-
-
-_FORCE_AFTER_S = 2.0  # after a second signal: time for aborted requests to send their last bytes
-
-
-def _drop_cancelled_requests(record: logging.LogRecord) -> bool:
-    """A request task cancelled by a forced exit is not an error worth a traceback."""
-    exc = record.exc_info[1] if record.exc_info else None
-    return not isinstance(exc, asyncio.CancelledError)
-
-
-def _GracefulServer(config: Any, async_engine: Any, shutdown_timeout: float) -> Any:  # noqa: N802 - a factory
-    return _server_class()(config, async_engine, shutdown_timeout)
+    server.run()

@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
-from pagedkv.serve.cli import make_server
+from pagedkv.serve.server import make_server
 from pagedkv.testing import tiny_llama
 
 MODEL = "tiny"
