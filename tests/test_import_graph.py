@@ -1,8 +1,21 @@
-"""The package's import graph has no cycles, and core reaches up to nothing above it.
+"""The package's import graph has no cycles, the top-level packages import only downward, and core's
+rooms too.
 
 Every module's imports are read with ``ast`` (function-level imports included; those under
 ``if TYPE_CHECKING:`` never run and are left out), so a cycle hidden in a lazy import
 inside a function is caught too.
+
+The top-level layers, highest first (``LAYERS``), as the README's layout draws them:
+
+- ``cli``: the ``engine`` command, composing everything below it;
+- ``serve``, ``monitor``, ``sim``: what a subcommand runs (the HTTP server, the dashboard, the simulator);
+- ``backends``, ``plugins``: the engine's extensions (attention kernels; prefix cache, swap, telemetry, ...);
+- the package root (``pagedkv``: the version and a lazy facade over core; ``pagedkv.testing``);
+- ``core``: the engine, which imports nothing above it.
+
+A package may import its own modules and any lower layer, never a higher one, and never a peer on its own
+layer: serve, monitor and sim know nothing of one another, nor backends and plugins (the graph today has
+no such edge; monitor and serve do use plugins, the telemetry address and its close, which is downward).
 """
 
 from __future__ import annotations
@@ -14,6 +27,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins", "pagedkv.serve", "pagedkv.sim")
+# the top-level packages, highest layer first; "pagedkv" stands for the root's own modules (__init__, testing)
+LAYERS = (("cli",), ("serve", "monitor", "sim"), ("backends", "plugins"), ("pagedkv",), ("core",))
 # core's rooms, lowest first: each may import itself, the rooms before it and the foundation modules
 ROOMS = ("plugin", "kv", "sample", "sched", "model", "dist")
 FOUNDATION = {f"pagedkv.core.{m}" for m in ("errors", "limits", "events", "stats", "config", "hookspecs",
@@ -113,6 +128,50 @@ def test_core_imports_nothing_above_it():
     reaching = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("pagedkv.core")
                       for t in targets if t.startswith(ABOVE_CORE))
     assert reaching == []
+
+
+def package_of(module: str) -> str:
+    """The top-level package a module belongs to (``serve``, ``core``, ...), ``"pagedkv"`` for the root's own."""
+    parts = module.split(".")
+    known = {package for layer in LAYERS for package in layer}
+    return parts[1] if len(parts) > 1 and parts[1] in known else "pagedkv"
+
+
+def upward_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a higher layer's module, or of a peer package's on the same layer."""
+    layer = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+    bad = []
+    for module, targets in graph.items():
+        src = package_of(module)
+        for target in targets:
+            dst = package_of(target)
+            if dst != src and layer[dst] <= layer[src]:
+                kind = "peer" if layer[dst] == layer[src] else "upward"
+                bad.append(f"{module} ({src}) -> {target} ({dst}): {kind}")
+    return sorted(bad)
+
+
+def test_top_level_packages_import_only_downward():
+    graph = import_graph(ROOT)
+    assert {package_of(m) for m in graph} == {package for layer in LAYERS for package in layer}
+    assert upward_violations(graph) == []
+
+
+def test_an_upward_or_peer_import_between_packages_is_found():
+    """The check itself: serve importing cli, a plugin importing serve, core importing the root, sim importing
+    serve (peers) are each reported; cli importing serve and serve importing plugins or core are not."""
+    graph = {"pagedkv.serve.server": {"pagedkv.cli.engine_args", "pagedkv.plugins.telemetry", "pagedkv.core.engine"},
+             "pagedkv.plugins.telemetry": {"pagedkv.serve.metrics", "pagedkv.core.hookspecs"},
+             "pagedkv.core.engine": {"pagedkv"},
+             "pagedkv.sim.simulate": {"pagedkv.serve.server"},
+             "pagedkv.cli.serve": {"pagedkv.serve.server", "pagedkv.testing"},
+             "pagedkv.testing": {"pagedkv.core.engine"}}
+    assert upward_violations(graph) == [
+        "pagedkv.core.engine (core) -> pagedkv (pagedkv): upward",
+        "pagedkv.plugins.telemetry (plugins) -> pagedkv.serve.metrics (serve): upward",
+        "pagedkv.serve.server (serve) -> pagedkv.cli.engine_args (cli): upward",
+        "pagedkv.sim.simulate (sim) -> pagedkv.serve.server (serve): peer",
+    ]
 
 
 def room_of(module: str) -> str | None:
