@@ -12,6 +12,14 @@ when it runs out, the oldest connections that are only waiting for a request hea
 the ones that never sent a request first, then idle keep-alive ones) are closed so that new
 clients get in; with none to close, accepting pauses for ``retry_delay`` seconds. One warning
 line per ``report_every`` seconds says so.
+
+No public asyncio API changes how a listening socket's accept round ends (uvicorn's public
+``backlog`` option would shorten the round, but also the kernel's listen queue), so the guard
+replaces the selector loop's private ``_accept_connection`` and uses its ``_add_reader`` /
+``_remove_reader``; ``tests/test_serve_private_hooks.py`` fails, naming them and the Python
+version, when they change shape. Where they are missing (uvloop, another loop) the guard is
+not installed, and :func:`quiet_accept_errors` (a public exception handler) at least turns
+asyncio's traceback per failed ``accept()`` into one warning line per ``interval`` seconds.
 """
 
 from __future__ import annotations
@@ -90,3 +98,25 @@ def guard_accept(loop: asyncio.AbstractEventLoop, shed: Callable[[int], int], re
 
     loop._accept_connection = accept  # type: ignore[attr-defined]
     return True
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, interval: float = 10.0) -> None:
+    """Log 'out of file descriptors' once per ``interval`` s, without a traceback; other errors as asyncio does."""
+    last = [-interval]
+    suppressed = [0]
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if "out of system resource" not in str(context.get("message", "")):
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - last[0] < interval:
+            suppressed[0] += 1
+            return
+        exc = context.get("exception")
+        more = f" ({suppressed[0]} more since the last report)" if suppressed[0] else ""
+        log.warning("cannot accept connections: %s; new connections wait until descriptors free up "
+                    "(raise ulimit -n, or lower --limit-concurrency)%s", exc, more)
+        last[0], suppressed[0] = now, 0
+
+    loop.set_exception_handler(handler)

@@ -69,8 +69,7 @@ def _server_class() -> type:
 
         async def startup(self, sockets: Any = None) -> None:
             from pagedkv.core.startup_phases import phase
-            from pagedkv.serve.accept_guard import guard_accept
-            from pagedkv.serve.connection_guard import quiet_accept_errors
+            from pagedkv.serve.accept_guard import guard_accept, quiet_accept_errors
 
             loop = asyncio.get_running_loop()
             quiet_accept_errors(loop)  # for loops the guard cannot wrap
