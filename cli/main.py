@@ -75,7 +75,7 @@ def entry() -> None:
     """The ``engine`` console script: :func:`main`, then an exit without the interpreter's teardown.
 
     Tearing down torch's thousands of modules and C++ state took 1.5-1.9 s after ``engine run`` had
-    printed everything (issue 26), time in which the shell waits for nothing. The exit handlers still
+    printed everything, time in which the shell waits for nothing. The exit handlers still
     run (logging, telemetry files, plugins', tensor-parallel workers'), and both streams are flushed;
     only the module teardown is skipped. An exception leaves through the normal path (its traceback).
     A SIGINT/SIGTERM that lands in main's own error report, or while the exit handlers run, ends the
