@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.serve import chat_fields, vllm_fields
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.structured_fields import FIELDS as STRUCTURED_FIELDS
 
 # field -> JSON kind (checked here: int, number, bool, str, object, documents, int_list, str_list; any:
@@ -56,15 +56,15 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def check_types(fields: dict[str, str], body: dict[str, Any], where: str = "") -> None:
-    """Unknown fields and wrong JSON types as ``FieldError`` (``null`` is "not set", as the server reads it)."""
+    """Unknown fields and wrong JSON types as ``InvalidField`` (``null`` is "not set", as the server reads it)."""
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise FieldError(where + unknown[0], f"unknown field(s) {', '.join(where + u for u in unknown)}: pagedkv "
+        raise InvalidField(where + unknown[0], f"unknown field(s) {', '.join(where + u for u in unknown)}: pagedkv "
                          "does not know them (check the spelling)")
     for name, value in body.items():
         check = _CHECKS.get(fields[name])
         if value is not None and check is not None and not check[0](value):
-            raise FieldError(where + name, f"{where}{name} must be {check[1]}, got {value!r:.80}")
+            raise InvalidField(where + name, f"{where}{name} must be {check[1]}, got {value!r:.80}")
 
 
 def check_body(chat: bool, body: dict[str, Any]) -> Callable[[str], Any]:
@@ -80,14 +80,14 @@ def check_body(chat: bool, body: dict[str, Any]) -> Callable[[str], Any]:
 
     vllm_fields.check(value, value("n"))
     if value("stream") and value("prompt_logprobs") is not None:
-        raise FieldError("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
+        raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
     if value("stream_options") is not None and not value("stream"):
-        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        raise InvalidField("stream_options", "stream_options is only allowed when stream is true")
     if chat:
         chat_fields.check(value, body.get("add_generation_prompt") is not None)
     else:
         if value("echo") and (value("logprobs") is not None or value("prompt_logprobs") is not None):
-            raise FieldError("echo", "echo together with logprobs is not supported by pagedkv")
+            raise InvalidField("echo", "echo together with logprobs is not supported by pagedkv")
         if value("suffix"):
-            raise FieldError("suffix", "suffix is not supported by pagedkv")
+            raise InvalidField("suffix", "suffix is not supported by pagedkv")
     return value

@@ -27,8 +27,9 @@ from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve import chat_fields, vllm_fields
 from pagedkv.serve import request_rules as rules
+from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
-from pagedkv.serve.sampling_fields import FieldError, sampling_extras
+from pagedkv.serve.sampling_fields import sampling_extras
 from pagedkv.serve.structured_fields import structured_from_body
 from pagedkv.serve.structured_request import Parsers, combined_constraint
 from pagedkv.serve.tools import check_tools, tool_choice_of
@@ -65,7 +66,7 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
     """Check one input line and turn its body into token ids and sampling parameters, as engine serve would."""
     try:
         item = rules.parse_json_object(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
-    except FieldError as exc:
+    except InvalidField as exc:
         raise BatchLineError(exc.message.replace("the body", "the line")) from None
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(custom_id, str) or not custom_id:
@@ -100,7 +101,7 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
             prompts, echo = _chat_prompt(custom_id, body, value, tools, tokenizer)
         else:
             prompts, echo = _completion_prompts(custom_id, body, value("add_special_tokens"), tokenizer)
-    except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
+    except (InvalidField, TypeError, ValueError) as exc:  # RequestRejected is a ValueError
         raise BatchLineError(f"{custom_id}: {exc}") from None
     shaper = Parsers(None, None, False, None).shaper(choice) if chat else None
     return BatchRequest(custom_id, url, prompts, params, options=vllm_fields.engine_options(value),
@@ -122,7 +123,7 @@ def _chat_prompt(custom_id: str, body: dict, value: Any, tools: list[dict[str, A
             conversation.append(chat_fields.for_template(
                 message["role"], rules.content_text(message.get("content")), message.get("name"),
                 message.get("tool_call_id"), message.get("tool_calls")))
-    except FieldError as exc:
+    except InvalidField as exc:
         raise BatchLineError(f"{custom_id}: messages: {exc.message}") from None
     arguments = {**chat_fields.template_arguments(value), "tools": tools or None}
     if getattr(tokenizer, "chat_template", None) is None and not arguments.get("chat_template"):

@@ -14,13 +14,11 @@ import asyncio
 from typing import Any
 
 from fastapi import Request
-from pydantic import ValidationError
 
 from pagedkv.serve import request_rules as rules
+from pagedkv.serve.api.errors import InvalidField, parse_body
 from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
 from pagedkv.serve.prompt_render import render_chat
-from pagedkv.serve.protocol import InvalidField, validation_error_body
-from pagedkv.serve.sampling_fields import FieldError
 
 
 async def read_body(state: Any, request: Request) -> bytes:
@@ -54,15 +52,8 @@ async def read_body(state: Any, request: Request) -> bytes:
 
 def _validate(model: Any, raw: bytes) -> Any:
     """Parse and validate a body (on a worker thread): the request model, or InvalidField naming the field."""
-    try:
-        data = rules.parse_json_object(raw)
-    except FieldError as exc:
-        raise InvalidField(exc.param or None, exc.message) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        error = validation_error_body(list(exc.errors(include_url=False)))["error"]
-        raise InvalidField(error["param"], error["message"]) from None
+    data = rules.parse_json_object(raw)
+    return parse_body(model, data)
 
 
 async def validated_body(state: Any, request: Request, model: Any) -> Any:

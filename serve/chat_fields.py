@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
 
 # keyword arguments of apply_chat_template that chat_template_kwargs may not set (they have fields of their own)
 TEMPLATE_ARGUMENTS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
@@ -22,11 +22,11 @@ TEMPLATE_ARGUMENTS = {"conversation", "tokenize", "add_generation_prompt", "cont
 def check(value: Callable[[str], Any], generation_prompt_given: bool) -> None:
     """The rules between the template fields; ``value(name)`` is the field's value or its default."""
     if value("continue_final_message") and value("add_generation_prompt") and generation_prompt_given:
-        raise FieldError("continue_final_message", "continue_final_message and add_generation_prompt "
+        raise InvalidField("continue_final_message", "continue_final_message and add_generation_prompt "
                          "cannot both be true")
     reserved = set(value("chat_template_kwargs") or {}) & TEMPLATE_ARGUMENTS
     if reserved:
-        raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}; "
+        raise InvalidField("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}; "
                          "use the request fields of those names")
 
 
@@ -63,5 +63,5 @@ def parsed_call(call: dict[str, Any]) -> dict[str, Any]:
     try:
         arguments = json.loads(function["arguments"])
     except ValueError:
-        raise FieldError("messages", "a tool call's function.arguments must be a JSON string") from None
+        raise InvalidField("messages", "a tool call's function.arguments must be a JSON string") from None
     return {**call, "function": {**function, "arguments": arguments}}

@@ -28,19 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedkv.core.errors import RequestRejected
 from pagedkv.serve import request_rules as rules
 from pagedkv.serve.admission import check_chars, check_ids, encode_chat, encode_prompts, parse_request
+from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.metrics import ServerMetrics
 from pagedkv.serve.prompt_render import decode_ids
-from pagedkv.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidField,
-    error_body,
-    validation_error_body,
-)
+from pagedkv.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.serve.responses import Job, collect, stream_events
-from pagedkv.serve.sampling_fields import FieldError
 from pagedkv.serve.structured_request import Parsers, compile_check, request_constraint
 from pagedkv.serve.tokenizer_routes import add_tokenizer_routes
 
@@ -232,16 +226,16 @@ async def _completions(state: ServerState, request: Request) -> Response:
     echo = None
     if body.echo:
         echo = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state, prompts)
-    structured = _fields(request_constraint, body, None, [])
+    structured = request_constraint(body, None, [])
     return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False, echo=echo,
                          structured=structured)
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
     body = await parse_request(state, request, ChatCompletionRequest)
-    tools, choice = _fields(body.tool_setup)
-    _fields(state.parsers.check_choice, choice)
-    structured = _fields(request_constraint, body, choice, tools)
+    tools, choice = body.tool_setup()
+    state.parsers.check_choice(choice)
+    structured = request_constraint(body, choice, tools)
     conversation = body.conversation()
     check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     arguments = {**body.template_arguments(), "tools": tools or None}
@@ -257,14 +251,6 @@ async def _chat(state: ServerState, request: Request) -> Response:
 def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:
     """Completions' ``echo``: each prompt's text (token-id prompts decoded)."""
     return [p if isinstance(p, str) else decode_ids(state, p) for p in prompts]
-
-
-def _fields(check: Any, *args: Any) -> Any:
-    """``check(*args)``, a ``FieldError`` answered 400 naming its field."""
-    try:
-        return check(*args)
-    except FieldError as exc:
-        raise InvalidField(exc.param, exc.message) from None
 
 
 async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
@@ -303,10 +289,7 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
     constraint, field = structured
     if constraint is not None:
-        try:
-            await compile_check(state.engine.engine, constraint, field)
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
+        await compile_check(state.engine.engine, constraint, field)
         params = dataclasses.replace(params, structured=constraint)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),

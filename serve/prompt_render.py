@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.serve.protocol import InvalidField
+from pagedkv.serve.api.errors import InvalidField
 
 
 def render_chat(state: Any, conversation: list[dict[str, Any]], template_arguments: dict[str, Any]) -> str:

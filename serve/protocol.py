@@ -19,7 +19,8 @@ from pydantic import Field, field_validator
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve import chat_fields, vllm_fields
 from pagedkv.serve import request_rules as rules
-from pagedkv.serve.sampling_fields import FieldError, sampling_extras
+from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.sampling_fields import sampling_extras
 from pagedkv.serve.strict_body import StrictBody
 from pagedkv.serve.structured_protocol import StructuredFields, ToolFields, ToolMessageFields
 
@@ -61,10 +62,7 @@ class _VllmFields(StrictBody):
         return getattr(self, name, None)
 
     def refuse_vllm_unsupported(self) -> None:
-        try:
-            vllm_fields.check(self._vllm_value, getattr(self, "n", 1))
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
+        vllm_fields.check(self._vllm_value, getattr(self, "n", 1))
 
     def vllm_sampling(self) -> dict[str, Any]:
         """The vLLM fields that are ``SamplingParams`` fields, as keyword arguments."""
@@ -112,7 +110,7 @@ class _Common(_VllmFields, StructuredFields):
     def _stops_are_bounded(cls, value: str | list[str] | None) -> list[str]:
         try:
             return rules.stop_strings(value)
-        except FieldError as exc:
+        except InvalidField as exc:
             raise ValueError(exc.message) from None
 
     @field_validator("logit_bias")
@@ -141,10 +139,7 @@ class _Common(_VllmFields, StructuredFields):
             value = getattr(self, name)
             chosen[name] = value if value is not None else (defaults or {}).get(name, fallback)
         fields["min_p"], fields["repetition_penalty"] = chosen.pop("min_p"), chosen.pop("repetition_penalty")
-        try:
-            extras = sampling_extras(fields, isinstance(self, ChatCompletionRequest), vocab_size)
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
+        extras = sampling_extras(fields, isinstance(self, ChatCompletionRequest), vocab_size)
         return SamplingParams(
             max_tokens=max_tokens, temperature=float(chosen["temperature"]), top_k=max(int(chosen["top_k"]), 0),
             top_p=float(chosen["top_p"]), seed=self.seed, n=self.n, stop=list(self.stop or []),
@@ -204,17 +199,14 @@ class ChatMessage(ToolMessageFields):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (vLLM's shape: tool-call arguments parsed from JSON)."""
-        try:
-            return chat_fields.for_template(self.role, self.text(), self.name, self.tool_call_id, self.tool_calls)
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
+        return chat_fields.for_template(self.role, self.text(), self.name, self.tool_call_id, self.tool_calls)
 
     @field_validator("content")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
         try:
             rules.content_text(value)
-        except FieldError as exc:
+        except InvalidField as exc:
             raise ValueError(exc.message) from None
         return value
 
@@ -240,10 +232,7 @@ class ChatCompletionRequest(_Common, ToolFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        try:
-            chat_fields.check(self._vllm_value, "add_generation_prompt" in self.model_fields_set)
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
+        chat_fields.check(self._vllm_value, "add_generation_prompt" in self.model_fields_set)
 
     def template_arguments(self) -> dict[str, Any]:
         """Keyword arguments for ``tokenizer.apply_chat_template`` (besides the conversation)."""
@@ -259,37 +248,3 @@ class ChatCompletionRequest(_Common, ToolFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
-
-
-class InvalidField(Exception):
-    """A request field the server refuses: answered 400 with the field as ``param``."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.message, self.status, self.kind = param, message, status, kind
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """A pydantic/FastAPI validation failure as one OpenAI error naming the first bad field."""
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # a union type adds its member type names to the location: keep the field path only
-    param = ".".join(p for p in loc if not _is_type_name(p)) or None
-    message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        message = "unknown field: pagedkv does not know it (check its spelling)"
-    if param:
-        message = f"{param}: {message}"
-    return error_body(message, param=param, code=400)
-
-
-def _is_type_name(part: str) -> bool:
-    return part in {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]"} or (
-        "[" in part or part.startswith("function-")
-    )

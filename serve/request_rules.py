@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; every stop string is checked against every new token's text
@@ -27,22 +27,22 @@ _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; invalid UTF-8, bad JSON, huge integers and lone surrogates raise FieldError."""
+    """The body as a JSON object; invalid UTF-8, bad JSON, huge integers and lone surrogates raise InvalidField."""
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise FieldError("", "the body is nested too deeply") from None
+        raise InvalidField(None, "the body is nested too deeply") from None
     except UnicodeDecodeError as exc:
-        raise FieldError("", f"the body is not valid UTF-8 (byte {exc.start})") from None
+        raise InvalidField(None, f"the body is not valid UTF-8 (byte {exc.start})") from None
     except ValueError as exc:  # JSONDecodeError, and int() refusing more than 4300 digits
         message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc).split(";")[0]
-        raise FieldError("", f"the body is not valid JSON: {message}") from None
+        raise InvalidField(None, f"the body is not valid JSON: {message}") from None
     if not isinstance(data, dict):
-        raise FieldError("", f"the body must be a JSON object, not {type(data).__name__}")
+        raise InvalidField(None, f"the body must be a JSON object, not {type(data).__name__}")
     if _SURROGATE_ESCAPE.search(raw):  # only an escape can smuggle a lone surrogate through json.loads
         where = lone_surrogate_path(data)
         if where is not None:
-            raise FieldError(where, f"{where}: contains a lone UTF-16 surrogate, which is not text")
+            raise InvalidField(where, f"{where}: contains a lone UTF-16 surrogate, which is not text")
     return data
 
 
@@ -78,19 +78,19 @@ def stop_strings(value: Any) -> list[str]:
     if stops is None:
         return []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise FieldError("stop", "stop must be a string or a list of strings")
+        raise InvalidField("stop", "stop must be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS:
-        raise FieldError("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        raise InvalidField("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(not s for s in stops):
-        raise FieldError("stop", "stop strings must be non-empty")
+        raise InvalidField("stop", "stop strings must be non-empty")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise FieldError("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
+        raise InvalidField("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
     return list(stops)
 
 
 def check_role(role: Any) -> str:
     if role not in CHAT_ROLES:
-        raise FieldError("role", f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        raise InvalidField("role", f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
     return role
 
 
@@ -101,20 +101,20 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FieldError("content", "content must be a string or a list of text parts")
+        raise InvalidField("content", "content must be a string or a list of text parts")
     parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise FieldError("content", "only text content parts ({'type': 'text', 'text': ...}) are supported")
+            raise InvalidField("content", "only text content parts ({'type': 'text', 'text': ...}) are supported")
         if extra := sorted(set(part) - {"type", "text"}):
-            raise FieldError("content", f"unknown field(s) in a text part: {', '.join(extra)}")
+            raise InvalidField("content", f"unknown field(s) in a text part: {', '.join(extra)}")
         parts.append(part["text"])
     return "".join(parts)
 
 
 def count_cap(param: str, items: Any, limit: int, what: str) -> None:
     if len(items) > limit:
-        raise FieldError(param, f"{param} has {len(items)} {what}; at most {limit} are allowed")
+        raise InvalidField(param, f"{param} has {len(items)} {what}; at most {limit} are allowed")
 
 
 def max_prompt_chars(max_model_len: int, tokenizer: Any) -> int:

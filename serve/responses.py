@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.serve.api.errors import error_body
 from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
 from pagedkv.serve.chat_output import ChatDeltas
 from pagedkv.serve.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from pagedkv.serve.protocol import error_body
 
 
 @dataclass

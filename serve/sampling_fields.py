@@ -11,14 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.core.sample.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
-
-
-class FieldError(ValueError):
-    """A body field with a bad value; ``param`` names it (the server answers 400 with it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
+from pagedkv.serve.api.errors import InvalidField
 
 
 def sampling_extras(body: Mapping[str, Any], chat: bool, vocab_size: int | None = None) -> dict[str, Any]:
@@ -35,18 +28,18 @@ def sampling_extras(body: Mapping[str, Any], chat: bool, vocab_size: int | None 
     if body.get("repetition_penalty") is not None:
         value = _real("repetition_penalty", body["repetition_penalty"], 0.0, math.inf)
         if value == 0.0:
-            raise FieldError("repetition_penalty", "repetition_penalty must be > 0 (1 = off), got 0")
+            raise InvalidField("repetition_penalty", "repetition_penalty must be > 0 (1 = off), got 0")
         kwargs["repetition_penalty"] = value
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = logit_bias(body["logit_bias"], vocab_size)
     if chat:
         wants, top = body.get("logprobs"), body.get("top_logprobs")
         if wants is not None and not isinstance(wants, bool):
-            raise FieldError("logprobs", f"logprobs must be true or false for chat, got {wants!r}")
+            raise InvalidField("logprobs", f"logprobs must be true or false for chat, got {wants!r}")
         if top is not None:
             top = _count("top_logprobs", top, 0, MAX_LOGPROBS)
             if top and not wants:
-                raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+                raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
         if wants:
             kwargs["logprobs"] = top or 0
     elif body.get("logprobs") is not None:
@@ -59,12 +52,12 @@ def sampling_extras(body: Mapping[str, Any], chat: bool, vocab_size: int | None 
 def logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float]:
     """``{"token id": bias}`` -> ``{id: bias}``; ids must be decimal, inside the vocabulary, biases in +-100."""
     if not isinstance(bias, Mapping):
-        raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {bias!r}")
+        raise InvalidField("logit_bias", f"logit_bias must be an object of token id -> bias, got {bias!r}")
     checked: dict[int, float] = {}
     for key, value in bias.items():
         token = _token_id(key)
         if vocab_size is not None and token >= vocab_size:
-            raise FieldError("logit_bias", f"logit_bias names token {token}, outside the vocabulary "
+            raise InvalidField("logit_bias", f"logit_bias names token {token}, outside the vocabulary "
                                            f"0..{vocab_size - 1}")
         checked[token] = _real("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return checked
@@ -75,27 +68,27 @@ def _token_id(key: Any) -> int:
         token = key
     elif isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal():
         if len(key.strip()) > 18:  # int() of thousands of digits is slow, and no vocabulary is that big
-            raise FieldError("logit_bias", f"logit_bias names token {key.strip()[:20]}..., outside any vocabulary")
+            raise InvalidField("logit_bias", f"logit_bias names token {key.strip()[:20]}..., outside any vocabulary")
         token = int(key.strip())
     else:
-        raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        raise InvalidField("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
     if token < 0:
-        raise FieldError("logit_bias", f"logit_bias keys must be non-negative token ids, got {key!r}")
+        raise InvalidField("logit_bias", f"logit_bias keys must be non-negative token ids, got {key!r}")
     return token
 
 
 def _real(name: str, value: Any, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise FieldError(name, f"{name} must be a finite number, got {value!r}")
+        raise InvalidField(name, f"{name} must be a finite number, got {value!r}")
     if not low <= value <= high:
         span = f"[{low:g}, {high:g}]" if math.isfinite(high) else f"> {low:g}"
-        raise FieldError(name, f"{name} must be in {span}, got {value!r}")
+        raise InvalidField(name, f"{name} must be in {span}, got {value!r}")
     return float(value)
 
 
 def _count(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FieldError(name, f"{name} must be an integer, got {value!r}")
+        raise InvalidField(name, f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise FieldError(name, f"{name} must be in {low}..{high}, got {value}")
+        raise InvalidField(name, f"{name} must be in {low}..{high}, got {value}")
     return value

@@ -27,7 +27,7 @@ class StructuredFields(StrictBody):
     guided_whitespace_pattern: str | None = None
 
     def structured(self) -> tuple[StructuredOutputs | None, str | None]:
-        """(the constraint, the field naming it); raises ``FieldError``."""
+        """(the constraint, the field naming it); raises ``InvalidField``."""
         return structured_from_body(self.model_dump(include=set(FIELDS)))
 
 
@@ -39,7 +39,7 @@ class ToolFields(StrictBody):
     parallel_tool_calls: bool | None = None
 
     def tool_setup(self) -> tuple[list[dict[str, Any]], ToolChoice]:
-        """(the checked tools, the choice); raises ``FieldError``."""
+        """(the checked tools, the choice); raises ``InvalidField``."""
         tools = check_tools(self.tools) if self.tools is not None else []
         return tools, tool_choice_of(self.tool_choice, tools)
 

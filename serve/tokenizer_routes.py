@@ -15,8 +15,9 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import Field
 
 from pagedkv.serve.admission import validated_body
+from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.prompt_render import chat_ids, decode_ids, encode_text
-from pagedkv.serve.protocol import ChatMessage, InvalidField, StrictBody
+from pagedkv.serve.protocol import ChatMessage, StrictBody
 
 
 class TokenizeRequest(StrictBody):

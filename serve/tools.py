@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.sample.structured_output import StructuredOutputs
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
 
 
 @dataclass(frozen=True)
@@ -28,20 +28,20 @@ class ToolChoice:
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """The ``tools`` list, each ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
     if not isinstance(tools, list):
-        raise FieldError("tools", "tools must be a list of function tools")
+        raise InvalidField("tools", "tools must be a list of function tools")
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise FieldError(where, f"{where} must be a function tool: {{'type': 'function', 'function': {{...}}}}")
+            raise InvalidField(where, f"{where} must be a function tool: {{'type': 'function', 'function': {{...}}}}")
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise FieldError(f"{where}.function.name", f"{where}.function needs a name")
+            raise InvalidField(f"{where}.function.name", f"{where}.function needs a name")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise FieldError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema")
+            raise InvalidField(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema")
         if function["name"] in seen:
-            raise FieldError(f"{where}.function.name", f"tool {function['name']!r} is defined twice")
+            raise InvalidField(f"{where}.function.name", f"tool {function['name']!r} is defined twice")
         seen.add(function["name"])
     return tools
 
@@ -51,14 +51,14 @@ def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
         return ToolChoice("auto" if tools else "none")
     if choice in ("none", "auto", "required"):
         if choice != "none" and not tools:
-            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+            raise InvalidField("tool_choice", f"tool_choice {choice!r} needs tools")
         return ToolChoice(choice)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
+        raise InvalidField("tool_choice", "tool_choice must be none, auto, required or "
                                         "{'type': 'function', 'function': {'name': ...}}")
     if name not in {t["function"]["name"] for t in tools}:
-        raise FieldError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        raise InvalidField("tool_choice", f"tool_choice names {name!r}, which is not in tools")
     return ToolChoice("named", name)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
 
 # Declared (so they are never silently dropped) but not implemented: a request that sets one answers
 # 400 naming it. Structured outputs (structured_outputs, guided_*) are in structured_protocol.
@@ -45,22 +45,22 @@ def check(value: Callable[[str], Any], n: int) -> None:
     """The rules on vLLM's fields beyond their types; ``value(name)`` is the field's value or default."""
     for name, why in REFUSED.items():
         if value(name) not in (None, False):
-            raise FieldError(name, why)
+            raise InvalidField(name, why)
     if value("use_beam_search"):
-        raise FieldError("use_beam_search", "beam search is not supported by pagedkv")
+        raise InvalidField("use_beam_search", "beam search is not supported by pagedkv")
     if value("best_of") is not None and value("best_of") != n:
-        raise FieldError("best_of", "best_of is not supported by pagedkv (leave it unset or equal to n)")
+        raise InvalidField("best_of", "best_of is not supported by pagedkv (leave it unset or equal to n)")
     if value("length_penalty") != 1.0:
-        raise FieldError("length_penalty", "length_penalty applies to beam search, which pagedkv does not do")
+        raise InvalidField("length_penalty", "length_penalty applies to beam search, which pagedkv does not do")
     if value("cache_salt") is not None and not value("cache_salt"):
-        raise FieldError("cache_salt", "cache_salt must be a non-empty string")
+        raise InvalidField("cache_salt", "cache_salt must be a non-empty string")
     truncate = value("truncate_prompt_tokens")
     if truncate is not None and truncate < -1:
-        raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= -1")
+        raise InvalidField("truncate_prompt_tokens", "truncate_prompt_tokens must be >= -1")
     if truncate == 0:
-        raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1 (or -1)")
+        raise InvalidField("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1 (or -1)")
     if value("allowed_token_ids") is not None and not value("allowed_token_ids"):
-        raise FieldError("allowed_token_ids", "allowed_token_ids must not be empty")
+        raise InvalidField("allowed_token_ids", "allowed_token_ids must not be empty")
 
 
 def sampling_kwargs(value: Callable[[str], Any]) -> dict[str, Any]:
