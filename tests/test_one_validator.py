@@ -139,15 +139,6 @@ def test_a_field_means_the_same_in_a_batch_line(setup, url, body):
     assert batched.get("prompt_token_ids") == served.json().get("prompt_token_ids")
 
 
-def test_the_batch_tables_name_every_field_of_the_servers_models():
-    from pagedkv.cli.batch_fields import CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS
-    from pagedkv.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-
-    assert set(COMPLETION_FIELDS) == set(CompletionRequest.model_fields)
-    assert set(CHAT_FIELDS) == set(ChatCompletionRequest.model_fields)
-    assert set(MESSAGE_FIELDS) == set(ChatMessage.model_fields)
-
-
 def test_a_chat_template_that_raises_is_a_400_naming_messages():
     tokenizer = byte_level_tokenizer()
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.api.strict_body import StrictBody
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,27 @@ class ToolChoice:
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
+
+
+class ToolFields(StrictBody):
+    """On chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (accepted; several calls are parsed)."""
+
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_setup(self) -> tuple[list[dict[str, Any]], ToolChoice]:
+        """(the checked tools, the choice); raises ``InvalidField``."""
+        tools = check_tools(self.tools) if self.tools is not None else []
+        return tools, tool_choice_of(self.tool_choice, tools)
+
+
+class ToolMessageFields(StrictBody):
+    """On a chat message: an assistant's earlier ``tool_calls`` and a tool result's ``tool_call_id``."""
+
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -76,3 +98,15 @@ def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> Struct
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+
+def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,
+                        tools: list[dict[str, Any]]) -> tuple[StructuredOutputs | None, str | None]:
+    """A body's own constraint, or a forced tool choice's (not both), with the field it came from."""
+    forced = forced_constraint(choice, tools) if choice is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise InvalidField(field or "response_format", f"{field} cannot be combined with tool_choice "
+                                                           f"{choice.mode if choice else ''}")
+        return forced, "tool_choice"
+    return structured, field

@@ -1,7 +1,8 @@
-"""OpenAI / vLLM request-body sampling fields -> ``SamplingParams`` keyword arguments, each checked by name.
+"""The sampling fields' rules: stop strings, penalties, bias and logprobs -> ``SamplingParams`` keyword arguments.
 
-Shared by the server (``serve/protocol.py``) and the batch-file runner (``cli/batch_file.py``), so both
-accept the same fields with the same meaning; plain Python (no pydantic, no FastAPI) for that reason.
+``GenerationRequest`` (``generation.py``) calls these; each bad value is an ``InvalidField`` naming
+its field. Every list a client controls has a cap, so no single request can make every step do
+unbounded work (the caps are documented in docs/exposed.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,32 @@ from typing import Any
 
 from pagedkv.core.sample.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pagedkv.serve.api.errors import InvalidField
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; every stop string is checked against every new token's text
+MAX_STOP_CHARS = 256  # per stop string: held back while streaming and scanned each step
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# when a request leaves a field unset and the model's generation config (--generation-config) has no
+# value for it: OpenAI's / vLLM's
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def stop_strings(value: Any) -> list[str]:
+    """``stop`` (a string or a list of them) as a list: non-empty, at most MAX_STOP_STRINGS of MAX_STOP_CHARS.
+
+    Raises ``ValueError``: it runs as a field validator, and pydantic names the field.
+    """
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters")
+    return list(stops)
 
 
 def sampling_extras(body: Mapping[str, Any], chat: bool, vocab_size: int | None = None) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""A request body's output constraint -> one ``StructuredOutputs``, from any of the spellings clients send.
+"""A request's output constraint -> one ``StructuredOutputs``, from any of the spellings clients send.
 
 OpenAI's ``response_format`` (``json_object``, ``json_schema`` with ``strict``), vLLM's ``structured_outputs``
 ``{json, regex, choice, grammar, json_object}`` and its legacy ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``. Plain Python, shared by the server and batch files; a bad value
-raises ``InvalidField`` naming the field. Two constraints in one request are refused, not merged.
+``guided_choice`` / ``guided_grammar``, declared on both generation endpoints (``StructuredFields``); a bad
+value raises ``InvalidField`` naming the field. Two constraints in one request are refused, not merged.
 """
 
 from __future__ import annotations
@@ -14,10 +14,28 @@ from typing import Any
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.api.strict_body import StrictBody
 
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
 FIELDS = ("response_format", "structured_outputs", *LEGACY, "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+class StructuredFields(StrictBody):
+    """On completions and chat: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and ``guided_*``."""
+
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # auto or guidance only: the server's backend compiles
+    guided_whitespace_pattern: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """(the constraint, the field naming it); raises ``InvalidField``."""
+        return structured_from_body(self.model_dump(include=set(FIELDS)))
 
 
 def structured_from_body(body: Mapping[str, Any]) -> tuple[StructuredOutputs | None, str | None]:
