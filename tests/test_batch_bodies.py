@@ -1,4 +1,5 @@
-"""engine serve and engine run --input read a body by the same rules: each body is refused by both or by neither."""
+"""engine serve and engine run --input parse a body through the same models: refused by both or by neither,
+and a field means the same in a batch line as in a request."""
 
 from __future__ import annotations
 
