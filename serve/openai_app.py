@@ -111,23 +111,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pagedkv = state
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
-
-    @app.exception_handler(InvalidField)
-    async def _refused(request: Request, exc: InvalidField) -> JSONResponse:
-        # a body refused unread (413) or unfinished (408): close rather than drain what the client still sends
-        headers = {"Connection": "close"} if exc.status in (408, 413) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
-                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"),
-                                       code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    app.add_exception_handler(InvalidField, _refused)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -178,6 +164,25 @@ def build_app(state: ServerState) -> FastAPI:
     if state.enable_docs:
         _add_docs(app, check_key)
     return app
+
+
+async def _refused(request: Request, exc: InvalidField) -> JSONResponse:
+    """The one handler of a bad field: OpenAI's error envelope, with the error's status."""
+    # a body refused unread (413) or unfinished (408): close rather than drain what the client still sends
+    headers = {"Connection": "close"} if exc.status in (408, 413) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"),
+                                   code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 def _add_docs(app: FastAPI, check_key: Any) -> None:
