@@ -112,9 +112,8 @@ def _completion_request(custom_id: str, request: CompletionRequest, tokenizer: A
 
 def _sampling_params(request: Any, default_max_tokens: int, vocab_size: int | None, constraint: Any
                      ) -> SamplingParams:
-    wanted = request.wanted_max_tokens()
-    max_tokens = default_max_tokens if wanted is None else wanted
-    return request.to_sampling_params(max_tokens, vocab_size, BATCH_SAMPLING_DEFAULTS, constraint)
+    return request.to_sampling_params(request.max_tokens_or(default_max_tokens), vocab_size,
+                                      BATCH_SAMPLING_DEFAULTS, constraint)
 
 
 def error_line(custom_id: str | None, message: str, status_code: int = 400) -> dict:

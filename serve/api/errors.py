@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 
 class InvalidField(Exception):
     """A request field the server refuses: answered ``status`` (400) with the field as ``param``."""
@@ -27,10 +29,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def parse_body(model: Any, data: Any) -> Any:
+def parse_body(model: type[BaseModel], data: Any) -> Any:
     """``data`` validated as ``model``; a type error is an :class:`InvalidField` naming the first bad field."""
-    from pydantic import ValidationError
-
     try:
         return model.model_validate(data)
     except ValidationError as exc:

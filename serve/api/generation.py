@@ -120,6 +120,12 @@ class GenerationRequest(VllmFields, StructuredFields):
                                f"tokens) is above this model's context of {context} tokens")
         return wanted
 
+    def max_tokens_or(self, default: int) -> int:
+        """A batch line's budget: the length asked for, else the run's ``--max-tokens`` (the engine checks it
+        against the context)."""
+        wanted = self.wanted_max_tokens()
+        return default if wanted is None else wanted
+
     def constraint(self, choice: ToolChoice | None = None, tools: list[dict[str, Any]] | None = None
                    ) -> tuple[StructuredOutputs | None, str | None]:
         """(the output constraint, the field it came from): the body's own, or a forced tool choice's."""
