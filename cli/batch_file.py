@@ -5,12 +5,10 @@ Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completion
 {"status_code", "request_id", "body"}, "error"}``, written as soon as its request finishes, so a
 crash loses nothing that had finished. A bad line (bad JSON, invalid UTF-8, a lone surrogate,
 a bad field) gets an error line of its own; the rest run. Every line is read and checked
-before the first request runs. A body takes exactly the fields ``engine serve`` takes
-(``cli/batch_fields.py``), read as it reads them: strict types, ``null`` = not set, unknown
-fields refused, the same roles, content parts, caps and vLLM fields (``serve/request_rules.py``,
-``serve/sampling_fields.py``, ``serve/vllm_fields.py``, ``serve/chat_fields.py``); echo, token
-ids, forced tool calls and logprobs come back in the same OpenAI shapes. An unset
-``max_tokens`` is the run's ``--max-tokens``.
+before the first request runs. A body is parsed by the request models ``engine serve`` parses
+it with (``serve/api/``), so it takes the same fields with the same types, rules and meaning;
+echo, token ids, forced tool calls and logprobs come back in the same OpenAI shapes. An unset
+``max_tokens`` is the run's ``--max-tokens``, and an unset ``temperature`` is greedy.
 """
 
 from __future__ import annotations
@@ -22,25 +20,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.cli.batch_fields import MESSAGE_FIELDS, check_body, check_types
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
-from pagedkv.serve import chat_fields, vllm_fields
-from pagedkv.serve import request_rules as rules
+from pagedkv.serve.api.chat import ChatCompletionRequest, render_chat
+from pagedkv.serve.api.completion import CompletionRequest
+from pagedkv.serve.api.errors import InvalidField, parse_body
+from pagedkv.serve.api.json_body import lone_surrogate_path, parse_json_object
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
-from pagedkv.serve.sampling_fields import FieldError, sampling_extras
-from pagedkv.serve.structured_fields import structured_from_body
-from pagedkv.serve.structured_request import Parsers, combined_constraint
-from pagedkv.serve.tools import check_tools, tool_choice_of
+from pagedkv.serve.structured_request import Parsers
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-# OpenAI body field -> SamplingParams field; pagedkv's extras (top_k, min_tokens, ...) keep their names
-_PARAM_FIELDS = {
-    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-    "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "top_k": "top_k", "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos",
-}
+# the fields a batch line leaves unset that differ from the server's defaults: a run is greedy by default
+BATCH_SAMPLING_DEFAULTS = {"temperature": 0.0}
+_NO_PARSERS = Parsers(None, None, False, None)  # a batch run has no --tool-call-parser or --reasoning-parser
 
 
 class BatchLineError(PagedKVError):
@@ -60,12 +53,12 @@ class BatchRequest:
     shaper: Any = None  # ChatShaper: a forced tool choice's calls parsed out of the answer
 
 
-def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None
-               ) -> BatchRequest:
+def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None,
+               model_name: str = "this model") -> BatchRequest:
     """Check one input line and turn its body into token ids and sampling parameters, as engine serve would."""
     try:
-        item = rules.parse_json_object(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
-    except FieldError as exc:
+        item = parse_json_object(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
+    except InvalidField as exc:
         raise BatchLineError(exc.message.replace("the body", "the line")) from None
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(custom_id, str) or not custom_id:
@@ -76,88 +69,51 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
         raise BatchLineError(f"{custom_id}: 'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise BatchLineError(f"{custom_id}: 'body' must be an object")
-    chat = url == CHAT_URL
     try:
-        value = check_body(chat, body)
-        kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
-        for key, name in _PARAM_FIELDS.items():
-            if body.get(key) is not None:
-                kwargs[name] = body[key]
-        kwargs["stop"] = rules.stop_strings(body.get("stop"))
-        if body.get("logit_bias") is not None and isinstance(body["logit_bias"], dict):
-            rules.count_cap("logit_bias", body["logit_bias"], rules.MAX_LOGIT_BIAS, "entries")
-        kwargs.update(sampling_extras(body, chat, vocab_size))
-        kwargs.update(vllm_fields.sampling_kwargs(value))
-        tools, choice = ([], None)
-        if chat:
-            tools = check_tools(body["tools"]) if body.get("tools") is not None else []
-            choice = tool_choice_of(body.get("tool_choice"), tools)
-            Parsers(None, None, False, None).check_choice(choice)  # no --tool-call-parser in a batch run
-        structured, source = structured_from_body(body)
-        kwargs["structured"] = combined_constraint(structured, source, choice, tools)[0]
-        params = SamplingParams(**kwargs)
-        if chat:
-            prompts, echo = _chat_prompt(custom_id, body, value, tools, tokenizer)
-        else:
-            prompts, echo = _completion_prompts(custom_id, body, value("add_special_tokens"), tokenizer)
-    except (TypeError, ValueError) as exc:  # FieldError and RequestRejected are ValueErrors
+        if url == CHAT_URL:
+            return _chat_request(custom_id, parse_body(ChatCompletionRequest, body), tokenizer, default_max_tokens,
+                                 vocab_size, model_name)
+        return _completion_request(custom_id, parse_body(CompletionRequest, body), tokenizer, default_max_tokens,
+                                   vocab_size)
+    except InvalidField as exc:
+        raise BatchLineError(f"{custom_id}: {exc.message}") from None
+    except ValueError as exc:  # the tokenizer refusing a text
         raise BatchLineError(f"{custom_id}: {exc}") from None
-    shaper = Parsers(None, None, False, None).shaper(choice) if chat else None
-    return BatchRequest(custom_id, url, prompts, params, options=vllm_fields.engine_options(value),
-                        echo=echo if value("echo") else None, return_token_ids=bool(value("return_token_ids")),
-                        shaper=shaper)
 
 
-def _chat_prompt(custom_id: str, body: dict, value: Any, tools: list[dict[str, Any]], tokenizer: Any
-                 ) -> tuple[list[list[int]], list[str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise BatchLineError(f"{custom_id}: 'messages' must be a non-empty list of {{role, content}} objects")
-    conversation = []
-    try:
-        rules.count_cap("messages", messages, rules.MAX_MESSAGES, "messages")
-        for index, message in enumerate(messages):
-            check_types(MESSAGE_FIELDS, message, f"messages.{index}.")
-            rules.check_role(message.get("role"))
-            conversation.append(chat_fields.for_template(
-                message["role"], rules.content_text(message.get("content")), message.get("name"),
-                message.get("tool_call_id"), message.get("tool_calls")))
-    except FieldError as exc:
-        raise BatchLineError(f"{custom_id}: messages: {exc.message}") from None
-    arguments = {**chat_fields.template_arguments(value), "tools": tools or None}
-    if getattr(tokenizer, "chat_template", None) is None and not arguments.get("chat_template"):
-        raise BatchLineError(f"{custom_id}: this model has no chat template; use {COMPLETIONS_URL} with a prompt")
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, **arguments)
-    except Exception as exc:  # noqa: BLE001 - a template that raises on these messages: this line only
-        raise BatchLineError(f"{custom_id}: the chat template refused these messages: {type(exc).__name__}: "
-                             f"{str(exc)[:200]}") from None
-    last = conversation[-1]
-    echo = last["content"] if last["role"] == "assistant" else ""
-    return [list(tokenizer(text, add_special_tokens=value("add_special_tokens"))["input_ids"])], [echo]
+def _chat_request(custom_id: str, request: ChatCompletionRequest, tokenizer: Any, default_max_tokens: int,
+                  vocab_size: int | None, model_name: str) -> BatchRequest:
+    tools, choice = request.tool_setup()
+    _NO_PARSERS.check_choice(choice)
+    constraint, _ = request.constraint(choice, tools)
+    params = _sampling_params(request, default_max_tokens, vocab_size, constraint)
+    arguments = {**request.template_arguments(), "tools": tools or None}
+    text = render_chat(tokenizer, model_name, request.conversation(), arguments)
+    prompt = list(tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
+    return BatchRequest(custom_id, CHAT_URL, [prompt], params, options=request.engine_options(),
+                        echo=[request.echo_text()] if request.echo else None,
+                        return_token_ids=bool(request.return_token_ids), shaper=_NO_PARSERS.shaper(choice))
 
 
-def _completion_prompts(custom_id: str, body: dict, add_special_tokens: bool, tokenizer: Any
-                        ) -> tuple[list[list[int]], list[str]]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise BatchLineError(f"{custom_id}: 'prompt' must be a string, a list of strings or a list of token ids")
-    if len(prompt) > rules.MAX_PROMPTS:
-        raise BatchLineError(f"{custom_id}: prompt has {len(prompt)} prompts; at most {rules.MAX_PROMPTS} are allowed")
+def _completion_request(custom_id: str, request: CompletionRequest, tokenizer: Any, default_max_tokens: int,
+                        vocab_size: int | None) -> BatchRequest:
+    params = _sampling_params(request, default_max_tokens, vocab_size, request.constraint()[0])
     prompts, texts = [], []
-    for p in prompt:
-        if isinstance(p, str) and p:
-            prompts.append(list(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]))
-            texts.append(p)
-        elif isinstance(p, list) and p and all(type(t) is int for t in p):
-            prompts.append(p)
-            texts.append(tokenizer.decode(p) if body.get("echo") else "")
+    for prompt in request.prompts():
+        if isinstance(prompt, str):
+            prompts.append(list(tokenizer(prompt, add_special_tokens=request.add_special_tokens)["input_ids"]))
+            texts.append(prompt)
         else:
-            raise BatchLineError(f"{custom_id}: each prompt must be a non-empty string or a non-empty list of "
-                                 "token ids")
-    return prompts, texts
+            prompts.append(prompt)
+            texts.append(tokenizer.decode(prompt) if request.echo else "")
+    return BatchRequest(custom_id, COMPLETIONS_URL, prompts, params, options=request.engine_options(),
+                        echo=texts if request.echo else None, return_token_ids=bool(request.return_token_ids))
+
+
+def _sampling_params(request: Any, default_max_tokens: int, vocab_size: int | None, constraint: Any
+                     ) -> SamplingParams:
+    return request.to_sampling_params(request.max_tokens_or(default_max_tokens), vocab_size,
+                                      BATCH_SAMPLING_DEFAULTS, constraint)
 
 
 def error_line(custom_id: str | None, message: str, status_code: int = 400) -> dict:
@@ -248,7 +204,8 @@ def run_batch(
         if not line.strip():
             continue
         try:
-            checked.append((number, parse_line(line, engine.tokenizer, default_max_tokens, engine.vocab_size), line))
+            checked.append((number, parse_line(line, engine.tokenizer, default_max_tokens, engine.vocab_size,
+                                               model_name), line))
         except BatchLineError as exc:
             checked.append((number, exc, line))
     for number, request, line in checked:
@@ -289,4 +246,4 @@ def _custom_id_of(line: str | bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     value = item.get("custom_id") if isinstance(item, dict) else None
-    return value if isinstance(value, str) and rules.lone_surrogate_path(value) is None else None
+    return value if isinstance(value, str) and lone_surrogate_path(value) is None else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import hmac
 import logging
 import time
@@ -26,27 +25,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
-from pagedkv.serve import request_rules as rules
-from pagedkv.serve.admission import check_chars, check_ids, encode_chat, encode_prompts, parse_request
+from pagedkv.serve.api.chat import ChatCompletionRequest
+from pagedkv.serve.api.completion import CompletionRequest
+from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
+from pagedkv.serve.api.generation import GenerationRequest
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
-from pagedkv.serve.logprobs_format import TokenTexts
-from pagedkv.serve.metrics import ServerMetrics
-from pagedkv.serve.prompt_render import decode_ids
-from pagedkv.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidField,
-    error_body,
-    validation_error_body,
+from pagedkv.serve.http.admission import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    check_chars,
+    check_ids,
+    encode_chat,
+    encode_prompts,
+    max_prompt_chars,
+    validated_body,
 )
+from pagedkv.serve.http.metrics import ServerMetrics
+from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.responses import Job, collect, stream_events
-from pagedkv.serve.sampling_fields import FieldError
-from pagedkv.serve.structured_request import Parsers, compile_check, request_constraint
-from pagedkv.serve.tokenizer_routes import add_tokenizer_routes
+from pagedkv.serve.structured_request import Parsers, compile_check
+from pagedkv.serve.tokenizer_routes import add_tokenizer_routes, decode_ids
 
 log = logging.getLogger("pagedkv.serve")
 
-DEFAULT_MAX_REQUEST_BYTES = rules.DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
@@ -85,7 +85,7 @@ class ServerState:
         self.served_model_names = list(self.served_model_names or [self.model_name])
         self.model_name = self.served_model_names[0]
         self.uses_priority = bool(getattr(core.scheduler, "uses_priority", False))
-        self.max_prompt_chars = rules.max_prompt_chars(self.max_model_len, self.tokenizer)
+        self.max_prompt_chars = max_prompt_chars(self.max_model_len, self.tokenizer)
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
@@ -111,21 +111,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pagedkv = state
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
-
-    @app.exception_handler(InvalidField)
-    async def _refused(request: Request, exc: InvalidField) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
-                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"),
-                                       code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    app.add_exception_handler(InvalidField, _refused)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -178,6 +166,25 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+async def _refused(request: Request, exc: InvalidField) -> JSONResponse:
+    """The one handler of a bad field: OpenAI's error envelope, with the error's status."""
+    # a body refused unread (413) or unfinished (408): close rather than drain what the client still sends
+    headers = {"Connection": "close"} if exc.status in (408, 413) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"),
+                                   code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+
 def _add_docs(app: FastAPI, check_key: Any) -> None:
     """/docs and /openapi.json, behind the API key like /v1 (off unless --enable-docs)."""
     from fastapi.openapi.docs import get_swagger_ui_html
@@ -195,19 +202,12 @@ def _add_docs(app: FastAPI, check_key: Any) -> None:
     app.include_router(docs)
 
 
-def _error(exc: InvalidField) -> JSONResponse:
-    # a body refused unread (413) or unfinished (408): close rather than drain what the client still sends
-    headers = {"Connection": "close"} if exc.status in (408, 413) else None
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status,
-                        headers=headers)
-
-
 async def _guarded(work: Any) -> Response:
     """A route's work; a bug in it is one log line and a 500 in the envelope, never a traceback to the client."""
     try:
         return await work
-    except InvalidField as exc:
-        return _error(exc)
+    except InvalidField:
+        raise  # the app's one handler answers it in OpenAI's envelope
     except Exception as exc:  # noqa: BLE001 - the last line of defence for one request
         log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_server_error", code=500),
@@ -215,7 +215,7 @@ async def _guarded(work: Any) -> Response:
 
 
 async def _completions(state: ServerState, request: Request) -> Response:
-    body = await parse_request(state, request, CompletionRequest)
+    body = await validated_body(state, request, CompletionRequest)
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
@@ -228,30 +228,26 @@ async def _completions(state: ServerState, request: Request) -> Response:
     loop = asyncio.get_running_loop()
     encoded = await loop.run_in_executor(state.tokenize_pool, encode_prompts, state.tokenizer, prompts,
                                          state.max_model_len, body.add_special_tokens)
-    explicit = "max_tokens" in body.model_fields_set  # null is unset: OpenAI's default 16, as vLLM
     echo = None
     if body.echo:
         echo = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state, prompts)
-    structured = _fields(request_constraint, body, None, [])
-    return await _answer(state, request, body, encoded, "prompt", body.max_tokens, explicit, chat=False, echo=echo,
-                         structured=structured)
+    return await _answer(state, request, body, encoded, "prompt", echo=echo, structured=body.constraint())
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
-    body = await parse_request(state, request, ChatCompletionRequest)
-    tools, choice = _fields(body.tool_setup)
-    _fields(state.parsers.check_choice, choice)
-    structured = _fields(request_constraint, body, choice, tools)
+    body = await validated_body(state, request, ChatCompletionRequest)
+    tools, choice = body.tool_setup()
+    state.parsers.check_choice(choice)
+    structured = body.constraint(choice, tools)
     conversation = body.conversation()
     check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     arguments = {**body.template_arguments(), "tools": tools or None}
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, arguments,
                                      body.add_special_tokens)
-    wanted = body.wanted_max_tokens()
     echo = [body.echo_text()] if body.echo else None
-    return await _answer(state, request, body, [ids], "messages", wanted, wanted is not None, chat=True, echo=echo,
-                         structured=structured, shaper=state.parsers.shaper(choice))
+    return await _answer(state, request, body, [ids], "messages", echo=echo, structured=structured,
+                         shaper=state.parsers.shaper(choice))
 
 
 def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:
@@ -259,57 +255,31 @@ def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]
     return [p if isinstance(p, str) else decode_ids(state, p) for p in prompts]
 
 
-def _fields(check: Any, *args: Any) -> Any:
-    """``check(*args)``, a ``FieldError`` answered 400 naming its field."""
-    try:
-        return check(*args)
-    except FieldError as exc:
-        raise InvalidField(exc.param, exc.message) from None
-
-
-async def _answer(state: ServerState, request: Request, body: Any, prompts: list[list[int]], prompt_field: str,
-                  max_tokens: int | None, explicit: bool, chat: bool, echo: list[str] | None = None,
-                  structured: Any = (None, None), shaper: Any = None) -> Response:
+async def _answer(state: ServerState, request: Request, body: GenerationRequest, prompts: list[list[int]],
+                  prompt_field: str, echo: list[str] | None = None, structured: Any = (None, None),
+                  shaper: Any = None) -> Response:
     if body.model not in (None, "", *state.served_model_names):
         raise InvalidField("model", f"the model {body.model!r} does not exist; this server has "
                            f"{state.model_name!r}", 404, "not_found_error")
-    _check_vllm_limits(state, body)
-    if body.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens (-1: the context)
-        keep = state.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
-        prompts = [p[-keep:] for p in prompts]
+    body.check_limits(state.max_logprobs, state.uses_priority)
+    prompts = body.truncated(prompts, state.max_model_len)
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
         raise InvalidField(prompt_field, f"the prompt has {longest} tokens; this model's context is {limit} "
                            "tokens, which leaves no room for an answer")
-    if max_tokens is None and (state.sampling_defaults or {}).get("max_tokens"):
-        max_tokens = state.sampling_defaults["max_tokens"]  # the generation config's max_new_tokens, as vLLM
-    if max_tokens is None or not explicit:
-        max_tokens = min(max_tokens or limit, limit - longest)
-    elif longest + max_tokens > limit:
-        raise InvalidField("max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens",
-                           f"max_tokens ({max_tokens}) + the prompt ({longest} tokens) is above this model's "
-                           f"context of {limit} tokens")
-    try:
-        params = body.sampling_params(max_tokens, state.vocab_size, state.sampling_defaults)
-    except RequestRejected as exc:  # the engine's checks start their message with the field's name
-        name = str(exc).split(" ", 1)[0]
-        raise InvalidField(name if name in type(body).model_fields else None, str(exc)) from exc
+    max_tokens = body.max_tokens_for(longest, limit, (state.sampling_defaults or {}).get("max_tokens"))
+    constraint, field = structured
+    params = body.to_sampling_params(max_tokens, state.vocab_size, state.sampling_defaults, constraint)
     sequences = len(prompts) * params.n
     if sequences > state.engine.max_waiting:
         raise InvalidField("n", f"this request needs {sequences} sequences (n x prompts), more than this server's "
                            f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
     if not state.engine.has_room(sequences):
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
-    constraint, field = structured
-    if constraint is not None:
-        try:
-            await compile_check(state.engine.engine, constraint, field)
-        except FieldError as exc:
-            raise InvalidField(exc.param, exc.message) from None
-        params = dataclasses.replace(params, structured=constraint)
-    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
-    job = Job(chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
+    await compile_check(state.engine.engine, constraint, field)
+    response_id = f"{'chatcmpl' if body.chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
+    job = Job(body.chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
               echo=echo, prompt_ids=prompts if body.return_token_ids else None,
               shaper=shaper, continuous_usage=body.continuous_usage)
@@ -344,17 +314,6 @@ async def _answer(state: ServerState, request: Request, body: Any, prompts: list
 def _queue_full(state: ServerState, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, "service_unavailable", code=503), status_code=503,
                         headers={"Retry-After": str(state.retry_after_s)})
-
-
-def _check_vllm_limits(state: ServerState, body: Any) -> None:
-    """Server-wide limits on vLLM's fields: ``--max-logprobs``, and priority only under the priority policy."""
-    if body.priority and not state.uses_priority:
-        raise InvalidField("priority", f"priority {body.priority} needs priority scheduling; start the server with "
-                           "--scheduling-policy priority")
-    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-        value = getattr(body, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > state.max_logprobs:
-            raise InvalidField(name, f"{name} ({value}) is above this server's --max-logprobs ({state.max_logprobs})")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> tuple[Any, Any]:

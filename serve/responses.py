@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.serve.api.errors import error_body
 from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
 from pagedkv.serve.chat_output import ChatDeltas
 from pagedkv.serve.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from pagedkv.serve.protocol import error_body
 
 
 @dataclass
@@ -198,44 +198,60 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events for the job, ending in ``data: [DONE]``; leaving early aborts every request."""
-    kind = "chat.completion.chunk" if job.chat else "text_completion"
-    head = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model}
-    usage_field = {"usage": None} if include_usage else {}
-    sent: dict[int, int] = {}  # choice index -> characters sent
-    done: set[int] = set()
-    tokens: dict[int, int] = {}
-    logprobs_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs went out
-    text_offset: dict[int, int] = {}  # choice index -> characters of token text so far (legacy text_offset)
+class _Stream:
+    """What one server-sent-event stream has sent so far, per choice, and how its next chunk is spelt."""
 
-    def new_logprobs(index: int, c: Any) -> Any:
-        start, end = logprobs_sent.get(index, 0), len(c.token_ids)
-        logprobs_sent[index] = end
-        result = job.logprobs_of(c, start, end, text_offset.get(index, 0))
-        if result is not None and not job.chat:
-            text_offset[index] = text_offset.get(index, 0) + sum(map(len, result["tokens"]))
+    def __init__(self, job: Job, include_usage: bool) -> None:
+        self.job = job
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        self.head = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model}
+        self.usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
+        self.sent: dict[int, int] = {}  # choice index -> characters sent
+        self.done: set[int] = set()
+        self.tokens: dict[int, int] = {}
+        self.logprobs_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs went out
+        self.text_offset: dict[int, int] = {}  # choice index -> characters of token text so far (legacy text_offset)
+        self.deltas: dict[int, ChatDeltas] = {}  # choice index -> its parsed deltas (with a shaper)
+        self.token_ids_sent: dict[int, int] = {}  # choice index -> token ids that went out (return_token_ids)
+        self.started: set[int] = set()  # choices whose first chunk went out (echo, prompt_token_ids)
+
+    def usage(self) -> dict[str, Any]:
+        return _usage(self.job.prompt_tokens, sum(self.tokens.values()), sum(self.job.cached.values()))
+
+    def advance(self, index: int, c: Any) -> str | None:
+        """The chunk for choice ``index``'s latest output ``c`` (None: nothing new to send yet)."""
+        job = self.job
+        self.tokens[index] = len(c.token_ids)
+        finished = c.finish_reason is not None
+        end = len(c.text) if finished else max(self.sent.get(index, 0), len(c.text) - job.holdback)
+        text = c.text[self.sent.get(index, 0):end]
+        self.sent[index] = end
+        fields = None
+        if job.chat and job.shaper is not None:
+            fields = self.deltas.setdefault(index, ChatDeltas(job.shaper)).delta(c.text[:end], finished)
+        if finished:
+            self.done.add(index)
+            reason = c.finish_reason
+            if fields is not None and self.deltas[index].calls and reason == "stop":
+                reason = "tool_calls"
+            return self.chunk(index, text, reason, c.stop_reason, logprobs=self._new_logprobs(index, c), c=c,
+                              fields=fields)
+        if (fields if fields is not None else text) or (index not in self.started and job.echo):
+            return self.chunk(index, text, None, logprobs=self._new_logprobs(index, c), c=c, fields=fields)
+        return None
+
+    def _new_logprobs(self, index: int, c: Any) -> Any:
+        start, end = self.logprobs_sent.get(index, 0), len(c.token_ids)
+        self.logprobs_sent[index] = end
+        result = self.job.logprobs_of(c, start, end, self.text_offset.get(index, 0))
+        if result is not None and not self.job.chat:
+            self.text_offset[index] = self.text_offset.get(index, 0) + sum(map(len, result["tokens"]))
         return result
 
-    deltas: dict[int, ChatDeltas] = {}  # choice index -> its parsed deltas (with a shaper)
-    token_ids_sent: dict[int, int] = {}  # choice index -> token ids that went out (return_token_ids)
-    started: set[int] = set()  # choices whose first chunk went out (echo, prompt_token_ids)
-
-    def chunk(index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False,
+    def chunk(self, index: int, text: str | None, finish: str | None, stop_reason: Any = None, role: bool = False,
               logprobs: Any = None, c: Any = None, fields: dict[str, Any] | None = None) -> str:
-        extra: dict[str, Any] = {}
-        if not role and index not in started:
-            started.add(index)
-            if job.echo:
-                text = job.echo[index // job.n] + (text or "")
-            if job.prompt_ids is not None and not job.chat:
-                extra["prompt_token_ids"] = job.prompt_ids[index // job.n]
-            elif job.prompt_ids is not None and job.chat:
-                extra["top_prompt_token_ids"] = job.prompt_ids[index // job.n]
-        if job.prompt_ids is not None and c is not None:
-            start = token_ids_sent.get(index, 0)
-            extra["token_ids"] = list(c.token_ids[start:])
-            token_ids_sent[index] = len(c.token_ids)
+        job = self.job
+        text, extra = self._first_and_ids(index, text, role, c)
         if job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if fields is not None:
@@ -249,55 +265,58 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             choice["stop_reason"] = stop_reason
         top = {"prompt_token_ids": extra.pop("top_prompt_token_ids")} if "top_prompt_token_ids" in extra else {}
         choice.update(extra)
-        usage = usage_field
-        if job.continuous_usage and not role:
-            usage = {"usage": _usage(job.prompt_tokens, sum(tokens.values()), sum(job.cached.values()))}
-        return _sse({**head, **top, "choices": [choice], **usage})
+        usage = {"usage": self.usage()} if job.continuous_usage and not role else self.usage_field
+        return _sse({**self.head, **top, "choices": [choice], **usage})
 
+    def _first_and_ids(self, index: int, text: str | None, role: bool, c: Any) -> tuple[str | None, dict[str, Any]]:
+        """A choice's first chunk carries the echo and the prompt's ids; each carries its new token ids."""
+        job, extra = self.job, {}
+        if not role and index not in self.started:
+            self.started.add(index)
+            if job.echo:
+                text = job.echo[index // job.n] + (text or "")
+            if job.prompt_ids is not None and not job.chat:
+                extra["prompt_token_ids"] = job.prompt_ids[index // job.n]
+            elif job.prompt_ids is not None and job.chat:
+                extra["top_prompt_token_ids"] = job.prompt_ids[index // job.n]
+        if job.prompt_ids is not None and c is not None:
+            start = self.token_ids_sent.get(index, 0)
+            extra["token_ids"] = list(c.token_ids[start:])
+            self.token_ids_sent[index] = len(c.token_ids)
+        return text, extra
+
+
+async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for the job, ending in ``data: [DONE]``; leaving early aborts every request."""
+    stream = _Stream(job, include_usage)
+    choices = len(job.handles) * job.n
     try:
         if job.chat:
-            for index in range(len(job.handles) * job.n):
-                yield chunk(index, None, None, role=True)
+            for index in range(choices):
+                yield stream.chunk(index, None, None, role=True)
         try:
             async for p, out in _merged(job):
                 job.cached[p] = out.num_cached_tokens
                 for c in out.outputs:
                     index = p * job.n + c.index
-                    if index in done:
+                    if index in stream.done:
                         continue
                     if (error := _error_of(c)) is not None:
                         yield _sse(error_body(error, "internal_server_error", code=500))
                         yield "data: [DONE]\n\n"
                         return
-                    tokens[index] = len(c.token_ids)
-                    finished = c.finish_reason is not None
-                    end = len(c.text) if finished else max(sent.get(index, 0), len(c.text) - job.holdback)
-                    text = c.text[sent.get(index, 0):end]
-                    sent[index] = end
-                    fields = None
-                    if job.chat and job.shaper is not None:
-                        shaped = deltas.setdefault(index, ChatDeltas(job.shaper))
-                        fields = shaped.delta(c.text[:end], finished)
-                    if finished:
-                        done.add(index)
-                        reason = c.finish_reason
-                        if fields is not None and deltas[index].calls and reason == "stop":
-                            reason = "tool_calls"
-                        yield chunk(index, text, reason, c.stop_reason, logprobs=new_logprobs(index, c), c=c,
-                                    fields=fields)
-                    elif (fields if fields is not None else text) or (index not in started and job.echo):
-                        yield chunk(index, text, None, logprobs=new_logprobs(index, c), c=c, fields=fields)
+                    if (chunk := stream.advance(index, c)) is not None:
+                        yield chunk
         except RequestFailed as exc:
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
             yield "data: [DONE]\n\n"
             return
         except Aborted:  # the server is stopping: every open choice ends here, cleanly
-            for index in range(len(job.handles) * job.n):
-                if index not in done:
-                    yield chunk(index, None, "abort")
+            for index in range(choices):
+                if index not in stream.done:
+                    yield stream.chunk(index, None, "abort")
         if include_usage:
-            usage = _usage(job.prompt_tokens, sum(tokens.values()), sum(job.cached.values()))
-            yield _sse({**head, "choices": [], "usage": usage})
+            yield _sse({**stream.head, "choices": [], "usage": stream.usage()})
         yield "data: [DONE]\n\n"
     finally:
         job.close()

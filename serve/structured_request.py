@@ -1,8 +1,9 @@
-"""A request's constraint and answer shape, decided on the asyncio side before anything is queued.
+"""A request's answer shape and constraint, decided on the asyncio side before anything is queued.
 
-The constraint comes from ``response_format`` / ``structured_outputs`` / ``guided_*``, or from a forced
-``tool_choice``; it is compiled here, in a worker thread (the engine reuses the compiled grammar), so a
-schema the backend cannot compile answers 400 naming its field and the step loop never waits on it.
+``Parsers`` picks how a chat answer is parsed (tool calls, reasoning) from the server's parsers and the
+request's ``tool_choice``. The constraint (``GenerationRequest.constraint``) is compiled here, in a worker
+thread (the engine reuses the compiled grammar), so a schema the backend cannot compile answers 400
+naming its field and the step loop never waits on it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.plugin.plugin_manager import build_registry
 from pagedkv.core.sample.structured_output import StructuredOutputs
+from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.api.tools import ToolChoice
 from pagedkv.serve.chat_output import ChatShaper
-from pagedkv.serve.sampling_fields import FieldError
 from pagedkv.serve.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from pagedkv.serve.tools import ToolChoice, forced_constraint
 
 
 class Parsers:
@@ -50,34 +51,15 @@ class Parsers:
 
     def check_choice(self, choice: ToolChoice) -> None:
         if choice.mode == "auto" and not (self.auto_tool_choice and self.tool_factory is not None):
-            raise FieldError("tool_choice", '"auto" tool choice needs the server started with '
+            raise InvalidField("tool_choice", '"auto" tool choice needs the server started with '
                                             "--enable-auto-tool-choice and --tool-call-parser")
 
 
-def request_constraint(body: Any, choice: ToolChoice | None, tools: list[dict[str, Any]]
-                       ) -> tuple[StructuredOutputs | None, str | None]:
-    """(the constraint, the field it came from); raises ``FieldError``."""
-    structured, field = body.structured()
-    return combined_constraint(structured, field, choice, tools)
-
-
-def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,
-                        tools: list[dict[str, Any]]) -> tuple[StructuredOutputs | None, str | None]:
-    """A body's own constraint, or a forced tool choice's (not both); batch files call this directly."""
-    forced = forced_constraint(choice, tools) if choice is not None else None
-    if forced is not None:
-        if structured is not None:
-            raise FieldError(field or "response_format", f"{field} cannot be combined with tool_choice "
-                                                         f"{choice.mode if choice else ''}")
-        return forced, "tool_choice"
-    return structured, field
-
-
 async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None) -> None:
-    """Compile in a worker thread; an uncompilable constraint raises ``FieldError`` naming ``field``."""
+    """Compile in a worker thread; an uncompilable constraint raises ``InvalidField`` naming ``field``."""
     if constraint is None:
         return
     try:
         await asyncio.to_thread(engine.check_structured, constraint)
     except RequestRejected as exc:
-        raise FieldError(field or "structured_outputs", str(exc)) from None
+        raise InvalidField(field or "structured_outputs", str(exc)) from None

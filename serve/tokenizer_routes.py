@@ -1,9 +1,9 @@
 """vLLM's small routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
 
-Shapes are vLLM's: ``/tokenize`` takes a completions-style ``prompt`` or a chat ``messages`` list
-(through the chat template, as the chat route renders it) and answers ``{count, max_model_len,
-tokens, token_strs}``; ``/detokenize`` takes ``tokens`` and answers ``{prompt}``. Unlike vLLM,
-they sit behind ``--api-key`` when one is set.
+Shapes are vLLM's (the bodies are ``serve/api/tokenize_request.py``): ``/tokenize`` answers ``{count,
+max_model_len, tokens, token_strs}``, counting the tokens the generation routes would (chats through
+the same chat template); ``/detokenize`` answers ``{prompt}``. Unlike vLLM, they sit behind
+``--api-key`` when one is set.
 """
 
 from __future__ import annotations
@@ -12,32 +12,11 @@ import asyncio
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from pydantic import Field
 
-from pagedkv.serve.admission import validated_body
-from pagedkv.serve.prompt_render import chat_ids, decode_ids, encode_text
-from pagedkv.serve.protocol import ChatMessage, InvalidField, StrictBody
-
-
-class TokenizeRequest(StrictBody):
-    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: exactly one of prompt / messages."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-    tools: Any = None
-    mm_processor_kwargs: Any = None
-
-
-class DetokenizeRequest(StrictBody):
-    model: str | None = None
-    tokens: list[int] = Field(min_length=0)
+from pagedkv.serve.api.chat import render_chat
+from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.api.tokenize_request import DetokenizeRequest, TokenizeRequest
+from pagedkv.serve.http.admission import validated_body
 
 
 def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
@@ -60,11 +39,7 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
 
     def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        for name in ("tools", "mm_processor_kwargs"):
-            if getattr(body, name) is not None:
-                raise InvalidField(name, f"{name} is not supported by pagedkv")
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidField("prompt", "give exactly one of prompt and messages")
+        body.check_rules()
         try:
             ids = _ids(body)
         except InvalidField:
@@ -80,18 +55,9 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
 
     def _ids(body: TokenizeRequest) -> list[int]:
         if body.prompt is not None:
-            return encode_text(state, body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
-        if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in \
-                body.model_fields_set:
-            raise InvalidField("continue_final_message", "continue_final_message and add_generation_prompt "
-                               "cannot both be true")
-        arguments: dict[str, Any] = dict(body.chat_template_kwargs or {})
-        arguments["add_generation_prompt"] = body.add_generation_prompt and not body.continue_final_message
-        arguments["continue_final_message"] = body.continue_final_message
-        if body.chat_template is not None:
-            arguments["chat_template"] = body.chat_template
-        return chat_ids(state, [m.for_template() for m in body.messages or []], arguments,
-                        bool(body.add_special_tokens))
+            return encode_text(state, body.prompt, body.special_tokens())
+        text = render_chat(state.tokenizer, state.model_name, body.conversation(), body.template_arguments())
+        return list(state.tokenizer(text, add_special_tokens=body.special_tokens())["input_ids"])
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -104,3 +70,15 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+
+def encode_text(state: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise InvalidField("prompt", "this model has no tokenizer: give the prompt as token ids")
+    return list(state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def decode_ids(state: Any, ids: list[int]) -> str:
+    if state.tokenizer is None:
+        raise InvalidField("tokens", "this model has no tokenizer")
+    return state.tokenizer.decode(ids)

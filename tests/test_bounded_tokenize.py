@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
+from pagedkv.serve.http.bounded_tokenize import TooManyTokens, tokenize_bounded
 from pagedkv.serve.testing import byte_level_tokenizer
 
 WORDS = ["The", "capital", "of", "France", "is", "Paris.", "dragon", "tokens", "\n", "한국어", "aaaaaaaa", "!!"]

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from serve_helpers import running_server, tiny_chat_engine
 
-from pagedkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.serve.api.chat import ChatCompletionRequest
+from pagedkv.serve.api.completion import CompletionRequest
 from pagedkv.serve.testing import byte_level_tokenizer
 
 VLLM_VERSION = "vllm-project/vllm 0052bed3 (v0.10 line) + docs.vllm.ai latest (v0.11 fields)"
@@ -286,9 +287,9 @@ def test_generation_config_defaults_fill_only_unset_fields():
     defaults = sampling_defaults("auto", Model())
     assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 99}
     assert sampling_defaults("vllm", Model()) == {}
-    unset = CompletionRequest(prompt="x").sampling_params(16, None, defaults)
+    unset = CompletionRequest(prompt="x").to_sampling_params(16, None, defaults)
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    given = CompletionRequest(prompt="x", temperature=0.0, top_k=-1).sampling_params(16, None, defaults)
+    given = CompletionRequest(prompt="x", temperature=0.0, top_k=-1).to_sampling_params(16, None, defaults)
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, 0)
-    plain = CompletionRequest(prompt="x").sampling_params(16, None, {})
+    plain = CompletionRequest(prompt="x").to_sampling_params(16, None, {})
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)

@@ -14,13 +14,14 @@ import asyncio
 from typing import Any
 
 from fastapi import Request
-from pydantic import ValidationError
 
-from pagedkv.serve import request_rules as rules
-from pagedkv.serve.bounded_tokenize import TooManyTokens, tokenize_bounded
-from pagedkv.serve.prompt_render import render_chat
-from pagedkv.serve.protocol import InvalidField, validation_error_body
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.chat import render_chat
+from pagedkv.serve.api.errors import InvalidField, parse_body
+from pagedkv.serve.api.json_body import parse_json_object
+from pagedkv.serve.http.bounded_tokenize import TooManyTokens, tokenize_bounded
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes
+MIN_CHARS_PER_TOKEN_BOUND = 32  # see max_prompt_chars
 
 
 async def read_body(state: Any, request: Request) -> bytes:
@@ -54,29 +55,29 @@ async def read_body(state: Any, request: Request) -> bytes:
 
 def _validate(model: Any, raw: bytes) -> Any:
     """Parse and validate a body (on a worker thread): the request model, or InvalidField naming the field."""
-    try:
-        data = rules.parse_json_object(raw)
-    except FieldError as exc:
-        raise InvalidField(exc.param or None, exc.message) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        error = validation_error_body(list(exc.errors(include_url=False)))["error"]
-        raise InvalidField(error["param"], error["message"]) from None
+    return parse_body(model, parse_json_object(raw))
 
 
 async def validated_body(state: Any, request: Request, model: Any) -> Any:
-    """The body read within its limits and validated as ``model`` off the event loop."""
+    """The body read within its limits and validated as ``model`` (its types and rules) off the event loop."""
     raw = await read_body(state, request)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
 
 
-async def parse_request(state: Any, request: Request, model: Any) -> Any:
-    """A generation request's body, validated, with the fields pagedkv refuses refused."""
-    body = await validated_body(state, request, model)
-    body.refuse_unsupported()
-    return body
+def max_prompt_chars(max_model_len: int, tokenizer: Any) -> int:
+    """Characters above which a text cannot fit in ``max_model_len`` tokens, whatever it says.
+
+    A token spells at most as many characters as its longest vocabulary entry (at least
+    MIN_CHARS_PER_TOKEN_BOUND, for normalizers and byte-level spellings), so a longer text is
+    refused before the tokenizer spends seconds on it.
+    """
+    longest = MIN_CHARS_PER_TOKEN_BOUND
+    try:
+        longest = max(longest, max(map(len, tokenizer.get_vocab())))
+    except Exception:  # noqa: BLE001 - no vocabulary to read: the floor holds
+        pass
+    return max_model_len * longest
 
 
 def check_chars(field: str, chars: int, state: Any) -> None:
@@ -110,7 +111,7 @@ def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tok
 def encode_chat(state: Any, conversation: list[dict[str, Any]], template_arguments: dict[str, Any],
                 add_special_tokens: bool) -> list[int]:
     """The conversation through the chat template, as token ids (on the tokenizer's thread)."""
-    text = render_chat(state, conversation, template_arguments)
+    text = render_chat(state.tokenizer, state.model_name, conversation, template_arguments)
     return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.sample.structured_output import StructuredOutputs
-from pagedkv.serve.sampling_fields import FieldError
+from pagedkv.serve.api.errors import InvalidField
+from pagedkv.serve.api.strict_body import StrictBody
 
 
 @dataclass(frozen=True)
@@ -25,23 +26,44 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
+class ToolFields(StrictBody):
+    """On chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (accepted; several calls are parsed)."""
+
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_setup(self) -> tuple[list[dict[str, Any]], ToolChoice]:
+        """(the checked tools, the choice); raises ``InvalidField``."""
+        tools = check_tools(self.tools) if self.tools is not None else []
+        return tools, tool_choice_of(self.tool_choice, tools)
+
+
+class ToolMessageFields(StrictBody):
+    """On a chat message: an assistant's earlier ``tool_calls`` and a tool result's ``tool_call_id``."""
+
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """The ``tools`` list, each ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
     if not isinstance(tools, list):
-        raise FieldError("tools", "tools must be a list of function tools")
+        raise InvalidField("tools", "tools must be a list of function tools")
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise FieldError(where, f"{where} must be a function tool: {{'type': 'function', 'function': {{...}}}}")
+            raise InvalidField(where, f"{where} must be a function tool: {{'type': 'function', 'function': {{...}}}}")
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise FieldError(f"{where}.function.name", f"{where}.function needs a name")
+            raise InvalidField(f"{where}.function.name", f"{where}.function needs a name")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise FieldError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema")
+            raise InvalidField(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema")
         if function["name"] in seen:
-            raise FieldError(f"{where}.function.name", f"tool {function['name']!r} is defined twice")
+            raise InvalidField(f"{where}.function.name", f"tool {function['name']!r} is defined twice")
         seen.add(function["name"])
     return tools
 
@@ -51,14 +73,14 @@ def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
         return ToolChoice("auto" if tools else "none")
     if choice in ("none", "auto", "required"):
         if choice != "none" and not tools:
-            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+            raise InvalidField("tool_choice", f"tool_choice {choice!r} needs tools")
         return ToolChoice(choice)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
+        raise InvalidField("tool_choice", "tool_choice must be none, auto, required or "
                                         "{'type': 'function', 'function': {'name': ...}}")
     if name not in {t["function"]["name"] for t in tools}:
-        raise FieldError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        raise InvalidField("tool_choice", f"tool_choice names {name!r}, which is not in tools")
     return ToolChoice("named", name)
 
 
@@ -76,3 +98,15 @@ def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> Struct
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+
+def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,
+                        tools: list[dict[str, Any]]) -> tuple[StructuredOutputs | None, str | None]:
+    """A body's own constraint, or a forced tool choice's (not both), with the field it came from."""
+    forced = forced_constraint(choice, tools) if choice is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise InvalidField(field or "response_format", f"{field} cannot be combined with tool_choice "
+                                                           f"{choice.mode if choice else ''}")
+        return forced, "tool_choice"
+    return structured, field

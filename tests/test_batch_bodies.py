@@ -1,4 +1,5 @@
-"""engine serve and engine run --input read a body by the same rules: each body is refused by both or by neither."""
+"""engine serve and engine run --input parse a body through the same models: refused by both or by neither,
+and a field means the same in a batch line as in a request."""
 
 from __future__ import annotations
 
@@ -137,15 +138,6 @@ def test_a_field_means_the_same_in_a_batch_line(setup, url, body):
     pick = [{k: choice.get(k) for k in keys} for choice in served.json()["choices"]]
     assert [{k: choice.get(k) for k in keys} for choice in batched["choices"]] == pick
     assert batched.get("prompt_token_ids") == served.json().get("prompt_token_ids")
-
-
-def test_the_batch_tables_name_every_field_of_the_servers_models():
-    from pagedkv.cli.batch_fields import CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS
-    from pagedkv.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-
-    assert set(COMPLETION_FIELDS) == set(CompletionRequest.model_fields)
-    assert set(CHAT_FIELDS) == set(ChatCompletionRequest.model_fields)
-    assert set(MESSAGE_FIELDS) == set(ChatMessage.model_fields)
 
 
 def test_a_chat_template_that_raises_is_a_400_naming_messages():

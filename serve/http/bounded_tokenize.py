@@ -1,7 +1,7 @@
 """Tokenizing a client's text with work bounded by the context, not by the text's length.
 
 A text can be hundreds of thousands of characters and still pass the character check
-(``request_rules.max_prompt_chars`` must allow the longest tokens). Tokenizing it whole
+(``admission.max_prompt_chars`` must allow the longest tokens). Tokenizing it whole
 takes seconds that a text which cannot fit does not deserve, so the text is tokenized
 in growing prefixes (4x each time, cut at whitespace): as soon as a prefix alone needs
 more than the context (plus a margin for the one word the cut may split), the text is

@@ -1,0 +1,1 @@
+"""The HTTP machinery around the request schema: bounded admission (body, parse, tokenize) and the metrics."""
