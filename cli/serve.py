@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from pagedkv.serve.request_rules import DEFAULT_MAX_REQUEST_BYTES
+from pagedkv.serve.http.admission import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Any
 
-from pagedkv.serve.request_rules import DEFAULT_MAX_REQUEST_BYTES
+from pagedkv.serve.http.admission import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -32,8 +32,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
     import uvicorn
 
     from pagedkv.serve.async_engine import AsyncEngine
-    from pagedkv.serve.connection_guard import guarded_protocol
-    from pagedkv.serve.metrics import ServerMetrics
+    from pagedkv.serve.http.connection_guard import guarded_protocol
+    from pagedkv.serve.http.metrics import ServerMetrics
     from pagedkv.serve.openai_app import ServerState, build_app
 
     if api_key is not None and not api_key.strip():
@@ -69,7 +69,7 @@ def _server_class() -> type:
 
         async def startup(self, sockets: Any = None) -> None:
             from pagedkv.core.startup_phases import phase
-            from pagedkv.serve.accept_guard import guard_accept, quiet_accept_errors
+            from pagedkv.serve.http.accept_guard import guard_accept, quiet_accept_errors
 
             loop = asyncio.get_running_loop()
             quiet_accept_errors(loop)  # for loops the guard cannot wrap

@@ -1,8 +1,8 @@
 """The two private hooks the connection limits stand on still have the shape they were written for.
 
 uvicorn has no public header-read or send deadline, and asyncio no public way to end an accept
-round at EMFILE, so ``serve/connection_guard.py`` subclasses uvicorn's internal ``H11Protocol``
-and ``serve/accept_guard.py`` replaces the selector loop's private ``_accept_connection``. An
+round at EMFILE, so ``serve/http/connection_guard.py`` subclasses uvicorn's internal ``H11Protocol``
+and ``serve/http/accept_guard.py`` replaces the selector loop's private ``_accept_connection``. An
 upgrade that changes either would not raise: the slowloris would simply stay connected, or the
 loop would stall again. These tests fail first, naming the attribute and the version.
 """
@@ -23,8 +23,8 @@ import tomllib
 
 pytest.importorskip("uvicorn")
 
-from pagedkv.serve.accept_guard import SHED_PER_ROUND, guard_accept  # noqa: E402
-from pagedkv.serve.connection_guard import guarded_protocol  # noqa: E402
+from pagedkv.serve.http.accept_guard import SHED_PER_ROUND, guard_accept  # noqa: E402
+from pagedkv.serve.http.connection_guard import guarded_protocol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UVICORN = f"uvicorn {version('uvicorn')}"
@@ -32,7 +32,7 @@ PYTHON = f"Python {sys.version.split()[0]}"
 
 
 def _h11_hook(what: str) -> str:
-    return (f"{UVICORN}: uvicorn.protocols.http.h11_impl.H11Protocol {what}; serve/connection_guard.py's header "
+    return (f"{UVICORN}: uvicorn.protocols.http.h11_impl.H11Protocol {what}; serve/http/connection_guard.py's header "
             "and send deadlines rely on it (update the guard, then the uvicorn pin in pyproject's serve extra)")
 
 
@@ -45,7 +45,7 @@ def _loop_name() -> str:
 
 
 def _accept_hook(what: str) -> str:
-    return (f"{PYTHON}: asyncio's private {_loop_name()}._accept_connection {what}; serve/accept_guard.py's "
+    return (f"{PYTHON}: asyncio's private {_loop_name()}._accept_connection {what}; serve/http/accept_guard.py's "
             "EMFILE guard relies on it")
 
 
