@@ -107,15 +107,12 @@ def run_once(
     """
     import time
 
-    from pagedkv.core.errors import RequestRejected
-    from pagedkv.core.sample.sampling_params import SamplingParams
     from pagedkv.sim.sim_engine import SimEngine
     from pagedkv.sim.simulated_runner import SimulatedRunner
 
     runner = SimulatedRunner(setup.model_config, logits=False)  # (SimEngine samples without them)
-    bs = setup.block_size
     prompt_len: dict[str, int] = {}
-    tally = RunTally(step_time, bs, prompt_len, series, progress, len(workload.requests))
+    tally = RunTally(step_time, setup.block_size, prompt_len, series, progress, len(workload.requests))
     try:  # telemetry stamps the simulated clock, so a replay's --speed is relative to the simulated run
         engine = SimEngine(setup.engine_config(), runner=runner, plugins=plugins, decode_lane=setup.decode_lane,
                            clock=lambda: tally.now)
@@ -124,17 +121,30 @@ def run_once(
     _check_fits(workload, engine, setup)
     if step_time is None:
         tally.step_time = step_time = default_step_time(setup, engine)
-    reqs = sorted(
-        enumerate(workload.requests),
-        key=lambda p: (p[1].arrival_step or 0) if workload.clock == "step" else p[1].arrival,
-    )
+    started = time.perf_counter()
+    arrival = _drive(workload, setup, engine, runner, tally, prompt_len)
+    if progress is not None:
+        progress(len(tally.finished), len(workload.requests))
+    wall = time.perf_counter() - started
+    if after_run is not None:
+        after_run(engine)
+    return _figures(setup, engine, tally, arrival, wall, step_time, series)
+
+
+def _drive(workload: Workload, setup: SimSetup, engine: Any, runner: Any, tally: RunTally,
+           prompt_len: dict[str, int]) -> dict[str, float]:
+    """Step the engine until every request has arrived and finished, adding each when the clock passes its
+    arrival (idle spells jumped over); returns each request's arrival time."""
+    from pagedkv.core.errors import RequestRejected
+    from pagedkv.core.sample.sampling_params import SamplingParams
+
     by_step = workload.clock == "step"
+    reqs = sorted(enumerate(workload.requests),
+                  key=lambda p: (p[1].arrival_step or 0) if by_step else p[1].arrival)
     vocab = engine.vocab_size
     arrival: dict[str, float] = {}
     shared_params: dict[tuple[int, int], SamplingParams] = {}
     i, n = 0, len(reqs)
-    started = time.perf_counter()
-    num_blocks = engine.num_blocks
     while i < n or engine.has_unfinished():
         if not engine.has_unfinished():  # idle: jump to the next arrival
             if by_step:
@@ -166,12 +176,14 @@ def run_once(
                 lane_run.run_lane(engine, tally, None, reqs[i][1].arrival_step or 0)
             else:
                 lane_run.run_lane(engine, tally, reqs[i][1].arrival, None)
+    return arrival
+
+
+def _figures(setup: SimSetup, engine: Any, tally: RunTally, arrival: dict[str, float], wall: float,
+             step_time: StepTimeModel, series: bool) -> dict:
+    """The run's figures, from the engine's stats and the tally."""
     finished, first_token, now = tally.finished, tally.first_token, tally.now
-    if progress is not None:
-        progress(len(finished), n)
-    wall = time.perf_counter() - started
-    if after_run is not None:
-        after_run(engine)
+    num_blocks = engine.num_blocks
     stats = engine.stats
     summary = summarize(engine)
     steps = max(1, stats.steps)
@@ -181,7 +193,7 @@ def run_once(
     e2e = [finished[r] - arrival[r] for r in finished]
     result = {
         "allocator": setup.allocator,
-        "block_size": bs,
+        "block_size": setup.block_size,
         "num_blocks": num_blocks,
         "kv_bytes": num_blocks * engine.spec.bytes_per_block,
         "bytes_per_block": engine.spec.bytes_per_block,

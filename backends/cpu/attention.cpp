@@ -5,7 +5,7 @@
 // read once per group and used by all of them. It walks the sequence's blocks
 // through the block table with an online (flash) softmax, in fp32, whatever the
 // cache dtype. Units are spread over OpenMP threads (dynamic: causal prefill
-// units differ in size). Plain C interface, called through ctypes.
+// units differ in size). Plain C interface, called through ctypes. Design: docs/cpu_kernels.md.
 
 #include <algorithm>
 #include <cmath>

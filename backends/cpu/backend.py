@@ -18,9 +18,8 @@ from pagedkv.core.kv.attention_metadata import AttentionMetadata
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 REFERENCE_DTYPES = (torch.float16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # no kernel path (yet)
 # Query tokens per work unit in a prefill chunk: with the group's heads, 16 x G query rows
-# share every K/V block the unit reads and every K chunk it transposes (SmolLM2, 2048-token
-# prompt, prefill path: 8 -> 66 ms, 16 -> 61, 32 -> 60 per layer; 32 halves the units a
-# small prompt offers the threads).
+# share every K/V block the unit reads and every K chunk it transposes; larger tiles leave a
+# small prompt too few units for the threads (measured: docs/cpu_kernels.md).
 QUERY_TILE = 16
 
 

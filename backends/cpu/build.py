@@ -2,8 +2,8 @@
 
 The kernel has a plain C interface, so it needs only a C++ compiler with OpenMP:
 no Python headers, no pybind11, no ninja, and a build takes a few seconds
-(``torch.utils.cpp_extension`` with ``torch/extension.h`` takes tens of seconds
-here). On x86 it is built once per instruction set with an explicit ``-march``
+(``torch.utils.cpp_extension`` with ``torch/extension.h`` takes many times longer).
+On x86 it is built once per instruction set with an explicit ``-march``
 (``x86-64-v4`` = AVX-512, ``x86-64-v3`` = AVX2+FMA, plain ``x86-64``), and the
 best one this CPU runs is loaded (chosen from its feature flags, as vLLM's and
 llama.cpp's CPU builds choose theirs). Any variant can be built and, where the

@@ -3,35 +3,18 @@
 // namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
 // load_row, exp2_neg and exp2_neg_vec, vmax, max_lanes and add_lanes, row_offsets, kLog2e, bf16 conversions).
 //
-// Why it is separate from run_unit: with one query token a unit has only the G query
-// heads of each KV head (3 for SmolLM2), so what limits it is how much memory is in
-// flight while it computes, and then the work per K/V row, not reuse across query rows:
-// - K/V rows are prefetched kDecodeAhead keys ahead into L2, by a cursor that walks the
-//   rows of that step in address order and is advanced a line or two per key computed,
-//   in both phases (scores and P.V). Measured at batch 64, context 2048 (one thread):
-//   the old whole-chunk burst stalls the core until its misses return (61% of its
-//   run_unit samples sat on prefetch instructions); prefetching only in the scores
-//   phase left the memory idle during P.V (~1.2x slower than spreading it over both);
-//   prefetching into L1 evicts the rows in use (~1.7x slower).
-// - keys go kLanes at a time (16 on AVX-512, 8 on AVX2); each K row is loaded once for all
-//   the group's query heads, and the keys' dot products are summed by one shuffle tree per
-//   head, built as the keys come (a few vectors live, not kLanes per head);
-// - the step's scores stay in a vector: max, exp2 and the running sum are vector ops,
-//   one rescale of the accumulators per step; the sum is kept per lane and
-//   reduced once at the end;
-// - P.V loads each V row once for all the group's query heads (accumulators in
-//   registers, probabilities broadcast from a one-vector buffer);
-// - bf16 rows are widened in registers, never copied.
-// Query heads of a group go in passes of at most decode_max_pass (AVX-512: 4, 2 at head dim 128,
-// 1 at 256; AVX2: 2 at head dim 32, else 1) so their queries and accumulators stay in registers; the passes share the step's rows
-// while they are in L1. Within a step one KV head at a time: reading each quad of rows
-// for all heads first (nearer address order) computed ~15% slower and read no faster.
+// Why it is separate from run_unit: with one query token a unit has only the G query heads of each
+// KV head, so what limits it is how much memory is in flight while it computes, not reuse across
+// query rows. So K/V rows are prefetched into L2 a few steps ahead, spread evenly over both phases;
+// each K and V row is loaded once for all the group's query heads (in passes that keep their queries
+// and accumulators in registers); the scores, max and sums stay vector ops. The choices and what the
+// alternatives measured: docs/cpu_kernels.md.
 
 constexpr int kDecodeKeys = kLanes;  // keys per step: one shuffle tree (simd.h)
-// Prefetch distance in keys, a multiple of kDecodeKeys (measured: 16..48 within noise, 64+ slower).
+// Prefetch distance in keys, a multiple of kDecodeKeys (nearer or farther measured no better).
 constexpr int kDecodeAhead = 32;
-// __builtin_prefetch locality 1 = prefetcht2: into L2, not L1. Measured at batch 64, context 2048:
-// into L1 (t0) or non-temporal is ~1.7x slower, the whole step's data evicts the rows in use.
+// __builtin_prefetch locality 1 = prefetcht2: into L2, not L1, where the whole step's data would
+// evict the rows in use.
 constexpr int kPrefetchLocality = 1;
 
 // Stand-in for the keys past the end of a partial step: zeros, never the cache's unused slots.

@@ -3,23 +3,16 @@
 // state) and vector layer (simd.h: load_row<int8_t> widens kLanes int8 values in registers) it uses.
 //
 // Why it looks the way it does: decode at long context is memory-bound, so the point is to read 1 byte
-// per value instead of 4, and then not to lose that to arithmetic. A row is head_dim int8 values and the
-// row's scale (row_scale, row_bytes; core/kv/kv_dtype.py). Each row is widened vector by vector in
-// registers and used at once by all G query heads of its group (one pass of up to kInt8MaxPass heads):
-// the queries are read from L1 instead of being held in registers (3 x 64 floats are 24 AVX2 registers
-// of 16), so a K or V vector is loaded and converted once, never copied to a buffer. Once widening costs
-// as much as the FMAs, the load ports are the next limit (profiled: at ctx 2048 the old one-key leaves
-// read 32 vectors a key, 24 of them queries), so K rows go in pairs (each query vector loaded serves two
-// keys) and P.V takes slices of up to 4 vectors (each weight broadcast once per slice, straight from
-// memory): ~0.75-0.85x the time of one-key leaves (one SmolLM2 layer, ctx 2048, AVX2). The scale is applied
-// per row, not per value: a step's kLanes scores are multiplied by the vector of their K scales, and the
-// softmax weights by their V scales before they weigh the V rows (the running sum takes the unscaled ones).
-// Head dims that are not whole vectors (or not 32/64/128/256) take run_general: scalar, per key.
+// per value instead of 4 and not to lose that to arithmetic. Each row (head_dim int8 values and its scale
+// byte, docs/kv_format.md) is widened in registers and used at once by all query heads of its group, whose
+// queries are read from L1 rather than held in registers; K rows go in pairs so each query load serves two
+// keys (the load ports are the next limit). Scales apply per row, to scores and softmax weights, not per
+// value. Design and measurements: docs/cpu_kernels.md. Other head dims take run_general: scalar, per key.
 
 namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
 namespace pagedkv_int8 {
 
-// A row's scale is the E5M3 code in the byte after its values (core/kv/kv_dtype.py, SCALE_BIAS 22): float32
+// A row's scale is the E5M3 code in the byte after its values (docs/kv_format.md, SCALE_BIAS 22): float32
 // bits (code << 20) + ((127 - 22) << 23), exact; code 0 is a zero row, code 255 a non-finite one (NaN).
 inline float row_scale(const int8_t* row, int head_dim) {
   const uint32_t code = static_cast<uint8_t>(row[head_dim]);

@@ -1,10 +1,9 @@
 // The fp32 linear layer y = x W^T (+ bias) of a CPU step, on a weight packed once into column panels.
 //
-// NOTE on why pagedkv multiplies its own matrices. A decode step multiplies a few dozen rows by every
-// weight of the model, and none of the model fits in cache (SmolLM2-135M is 540 MB of fp32), so every
-// weight comes from memory once per step. oneDNN's and MKL's small-M paths do not keep the FMA units
-// busy while they wait for it: on the 2-core Zen 3 (AVX2) the whole model's linears took 61 / 84 / 128 ms
-// (oneDNN, packed) at 1 / 8 / 32 rows, this kernel 28 / 45 / 89 ms (benchmarks/JOURNAL.md, 2026-12-01).
+// Why pagedkv multiplies its own matrices: a decode step multiplies a few dozen rows by every weight of
+// the model, none of which fits in cache, so every weight comes from memory once per step; oneDNN's and
+// MKL's small-M paths do not keep the FMA units busy while they wait for it (measured against them:
+// docs/cpu_kernels.md).
 //
 // Layout: the packed weight is N/kNr panels, each kNr output columns wide and K deep, column-fastest
 // ([panel][k][kNr], zero-padded past N). A panel is one contiguous stretch a thread streams through,
@@ -55,7 +54,7 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t pan
   vfloat acc[MR][NP][2];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = vfloat{};
-  prefetch = prefetch && MR >= 4;  // (measured: the 1-3 row tiles stream faster without)
+  prefetch = prefetch && MR >= 4;  // the 1-3 row tiles stream faster without
   for (int k = 0; k < K; ++k) {
     for (int p = 0; p < NP; ++p) {
       const float* wk = w + p * panel_stride + static_cast<int64_t>(k) * kNr;
@@ -196,19 +195,12 @@ inline void block_tile_rows(int rows, std::integer_sequence<int, R...>, const fl
 
 // y[M, N] (+)= x[M, K] W^T + bias for kMr..kRowChunk rows in one pass over the weight, k block by k block.
 //
-// NOTE on the two loops. When all rows fit one pass (a decode step, a short prefill), every weight comes from
-// memory once and is used by all rows. Here each kKBlock-deep block of a panel (4 KB on AVX2) is taken by
-// every row tile while it is in L1, so the weight stream is spread evenly over all the multiply-adds; in
-// linear_chunk's loop the first row tile streams a whole group of panels from memory and the rest reread it
-// from L2, so the memory waits come in one burst the FMA units sit through. For the same reason the tiles
-// of a block share the prefetches of the next one when there are 4 or more (64 requests in one tile's few
-// hundred cycles are more than a core's miss buffers hold). Rows are split into tiles of equal size (32 rows:
-// 6 6 5 5 5 5, not 6 x 5 + 2) so no tile has too few accumulators. Whole model's linears (SmolLM2, 2 threads,
-// Zen 3) against linear_chunk's loop: 1.1-1.5x at 16 rows, 1.17-1.2x at 32, 1.07-1.1x at 48-60
-// (benchmarks/linear_ab.py, JOURNAL.md). Longer inputs take several passes, the weight comes from L3 after
-// the first, and linear_chunk's loop is as fast or faster there (this one 0.91-1.0x at 240-1,280 rows). The
-// 4-lane build (SSE2 / NEON) multiplies at a quarter of the AVX2 rate, so memory never holds it up: it keeps
-// linear_chunk (blocked: 0.8-0.95x).
+// Why a second loop: when all rows fit one pass, each kKBlock-deep block of a panel is taken by every row
+// tile while it is in L1, so the weight stream spreads evenly over the multiply-adds; in linear_chunk's loop
+// the first tile streams the panels from memory and the rest reread them from L2, so the memory waits come
+// in one burst. With 4 or more tiles they share the next block's prefetches (one tile's would overflow the
+// core's miss buffers); tiles are of equal size so none has too few accumulators. Longer inputs, and the
+// 4-lane build that memory never holds up, keep linear_chunk. Measurements: docs/cpu_kernels.md.
 constexpr bool kBlockedPass = kLanes >= 8;
 inline void linear_blocked(const float* x, int M, int64_t ldx, int K, const float* wp, const float* bias, int N,
                            float* y, bool accumulate, int threads) {

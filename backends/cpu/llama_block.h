@@ -4,9 +4,9 @@
 //   MLP block:        h += attn Wo^T; xn = RMSNorm(h); h += (SiLU(xn Wg^T) * xn Wu^T) Wd^T
 //
 // In between, the engine writes k and v to the paged cache and attends, through the backend interface
-// as for every model. Done op by op in torch, these parts are some 50 aten calls a layer (~27 ms of a
-// SmolLM2 decode step on the 2-core Zen 3, whatever the batch); here they are two calls, and q/k/v
-// and gate/up are each one product over one packed weight ([Wq; Wk; Wv] and [Wg; Wu] stacked).
+// as for every model. Done op by op in torch, these parts are some 50 aten calls a layer (a large share
+// of a small model's decode step, docs/cpu_kernels.md); here they are two calls, and q/k/v and gate/up
+// are each one product over one packed weight ([Wq; Wk; Wv] and [Wg; Wu] stacked).
 // The arithmetic is transformers' up to rounding (sums in another order, fused multiply-adds, the SiLU's
 // exp from a polynomial within 2 ulp). Included by attention.cpp after linear.h.
 

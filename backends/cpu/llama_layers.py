@@ -14,7 +14,8 @@ from pagedkv.backends.cpu.linear import CpuLinearKernel
 from pagedkv.core.model.cpu_linear import weight_key
 
 # Parameters assigned to any module since import (a replaced weight, e.g. ``layer.q_proj.weight = ...``): reading a
-# layer's nine weights through nn.Module attributes costs ~40 us, so plans re-read them only when this count moved.
+# layer's nine weights through nn.Module attributes is slow next to a step, so plans re-read them only when this
+# count moved.
 _registrations = [0]
 
 
@@ -47,7 +48,7 @@ class CpuLlamaLayers:
 
     ``accepts`` checks the layer's weights (a few dozen attribute reads) and keeps the layer's plan; the two calls
     that follow it for the same layer use that plan without checking again (once per layer and step, not three
-    times: the checks were ~0.2 ms a layer, 5% of a one-sequence SmolLM2 step)."""
+    times: the checks are a measurable share of a small model's step, docs/cpu_kernels.md)."""
 
     def __init__(self, lib: Any, linear: CpuLinearKernel) -> None:
         self.lib = lib

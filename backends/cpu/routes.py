@@ -2,7 +2,7 @@
 slower than torch for a phase on the machine it runs on, and never decide from a machine that was busy.
 
 The AVX-512 and AVX2 builds are known by their features: their register-tiled attention and linear kernels
-beat torch (and oneDNN) wherever they were served side by side (docs in ``benchmarks/RESULTS.md``), so they
+beat torch (and oneDNN) wherever they were served side by side (``docs/cpu_kernels.md``), so they
 take no measurement. Any other build (plain x86-64, non-x86 ``-march=native``) is measured once against
 torch on SmolLM2's real layer shapes and cached beside the library, unless the machine was shared while it
 measured: then this start runs the kernel and the next one measures again. ``$PAGEDKV_CPU_ROUTES`` forces

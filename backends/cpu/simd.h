@@ -10,7 +10,7 @@
 // trees that sum or compare across lanes, the in-register transpose, and the register-tile sizes
 // the decode and prefill units use. The shuffle masks are computed at compile time from the width,
 // so one definition serves every build. Included by attention.cpp inside its anonymous namespace
-// (which includes <utility> for std::integer_sequence).
+// (which includes <utility> for std::integer_sequence). Design and measurements: docs/cpu_kernels.md.
 
 #pragma once
 
@@ -47,9 +47,7 @@ constexpr int kLaneBits = log2_of(kLanes);
 
 // Register tiles. Prefill: kRowBlock query rows x kKeyVecs score vectors stay in registers, next to
 // the kKeyVecs vectors of one transposed key column and a broadcast (AVX-512: 6 x 4 + 4 + 1 = 29 of 32;
-// AVX2: 2 x 4 + 4 + 1 = 13 of 16). Measured on AVX2 (Zen 3, SmolLM2 heads, thread CPU time, 1024-token
-// prompt / 256-token chunk over 768): 2 rows 26.5-34.3 / 14.5-15.1 ms, 3 rows 33.6-43.2 / 18.1-19.0,
-// 4 rows 32.9-39.1 / 16.1-18.2 (spilled); a P.V slice of 2 vectors instead of 4: 2 rows 30-39 / 17-20.
+// AVX2: 2 x 4 + 4 + 1 = 13 of 16). Why these sizes, and what the others measured: docs/cpu_kernels.md.
 constexpr int kChunk = 4 * kLanes;  // keys per softmax chunk: 4 score vectors a row
 constexpr int kKeyVecs = kChunk / kLanes;
 constexpr int kRowBlock = kRegisters >= 32 ? 6 : 2;

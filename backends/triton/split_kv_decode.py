@@ -193,7 +193,7 @@ def split_kv_decode(
     ``split_len = cdiv(max_seq_len, num_splits)`` keys rounded up to ``tile_n``,
     so shorter sequences leave their last splits empty.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, num_heads, _ = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     if num_tokens != num_seqs:
@@ -207,17 +207,47 @@ def split_kv_decode(
     window = window_arg(window)
     covered = min(max_seq_len, window) if window else max_seq_len
     split_len, num_splits = split_layout(covered, num_splits, tile_n)
-    tile_n = max(16, tile_n)
+    part_out, part_lse = _scratch(query, num_seqs, num_splits, part_out, part_lse)
+    _launch_partial(part_out, part_lse, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                    scale, softcap, window, split_len, max(16, tile_n))
+    _launch_reduce(out, part_out, part_lse, seq_lens, query_start_loc, window, split_len, query.shape)
+    return out
+
+
+def _scratch(
+    query: torch.Tensor, num_seqs: int, num_splits: int, part_out: torch.Tensor | None, part_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-split partial outputs and log-sum-exps: the caller's, checked, or new ones."""
+    _, num_heads, head_dim = query.shape
     if part_out is None:
         part_out = torch.empty((num_seqs, num_splits, num_heads, head_dim), dtype=torch.float32, device=query.device)
     if part_lse is None:
         part_lse = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=query.device)
     if part_out.shape[:2] != (num_seqs, num_splits) or part_lse.shape[:2] != (num_seqs, num_splits):
         raise ValueError(f"scratch buffers must start with ({num_seqs}, {num_splits})")
+    return part_out, part_lse
 
+
+def _launch_partial(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int,
+    split_len: int,
+    tile_n: int,
+) -> None:
+    """One program per (sequence, KV head, split): that split's attention and its log-sum-exp."""
+    num_seqs, num_splits = part_out.shape[:2]
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    head_pad = max(16, triton.next_power_of_2(group))
-    d_pad = max(16, triton.next_power_of_2(head_dim))
     qk_scale, cap_log2e, use_softcap = score_args(scale, softcap)
     _split_kv_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_out,
@@ -241,9 +271,9 @@ def split_kv_decode(
         *v_cache.stride(),
         block_tables.stride(0),
         GROUP=group,
-        BLOCK_M=head_pad,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        D_PAD=d_pad,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
         TILE_N=tile_n,
         SOFTCAP=use_softcap,
@@ -251,6 +281,21 @@ def split_kv_decode(
         INTERPRET=interpreted(),
         QUANT=is_quantized(k_cache.dtype),
     )
+
+
+def _launch_reduce(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    window: int,
+    split_len: int,
+    query_shape: torch.Size,
+) -> None:
+    """One program per (sequence, query head): the splits merged by their log-sum-exps into ``out``."""
+    num_seqs, num_splits = part_out.shape[:2]
+    _, num_heads, head_dim = query_shape
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out,
         part_out,
@@ -265,6 +310,5 @@ def split_kv_decode(
         *part_lse.stride(),
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
-        D_PAD=d_pad,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
     )
-    return out
