@@ -50,6 +50,21 @@ def disable(pm: pluggy.PluginManager, plugin: Any, hook_name: str, exc: BaseExce
         pm.unregister(plugin)
 
 
+class Decision:
+    """A ``firstresult`` hook as a plain callable of keyword arguments: the first non-None answer, or
+    None; a plugin that raises becomes a :class:`PluginFault` (the caller fails the request it serves)."""
+
+    def __init__(self, pm: pluggy.PluginManager, hook_name: str) -> None:
+        self.hook = getattr(pm.hook, hook_name)
+        self.name = hook_name
+
+    def __bool__(self) -> bool:
+        return bool(self.hook.get_hookimpls())
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return call_decision(self.hook, **kwargs)
+
+
 class Observers:
     """Broadcasts one observer hook, isolating each plugin."""
 
