@@ -27,7 +27,7 @@ class LLM:
         *,
         hf_model: Any = None,
         tokenizer: Any = None,
-        plugins: tuple[Any, ...] = (),
+        plugins: tuple[object, ...] = (),
         **config: Any,
     ) -> None:
         self.engine = Engine(EngineConfig(model=model, **config), model=hf_model, tokenizer=tokenizer, plugins=plugins)
