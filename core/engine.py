@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -26,30 +27,35 @@ from pagedkv.core.engine_checks import size_kv_cache, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
 from pagedkv.core.invariants import check_invariants
+from pagedkv.core.kv.allocator_interface import Allocator, AllocatorFactory, AllocatorHooks
 from pagedkv.core.kv.block_pool import BlockPool
 from pagedkv.core.kv.kv_cache import capacity_line
 from pagedkv.core.kv.kv_view import KVCacheView
+from pagedkv.core.kv.swap_space import SwapSpace
 from pagedkv.core.output_processor import OutputProcessor
 from pagedkv.core.plugin.plugin_guard import (
+    Decision,
     Observers,
     PluginFault,
     PoolHook,
-    call_decision,
     call_startup,
     configure_plugins,
     startup_fault,
 )
-from pagedkv.core.plugin.plugin_manager import build_registry, chosen_components, has_impls, make_plugin_manager
+from pagedkv.core.plugin.plugin_manager import Entry, build_registry, chosen_components, has_impls, make_plugin_manager
 from pagedkv.core.prompt_inputs import prompt_of
 from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sample.bad_words import bad_word_ids
+from pagedkv.core.sample.grammar_backend import CompiledGrammar, GrammarBackend
 from pagedkv.core.sample.grammar_compiler import GrammarCompiler, result_of
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.core.sched.grammar_gate import GrammarGate
 from pagedkv.core.sched.request_check import check_prompt, check_text
 from pagedkv.core.sched.request_groups import RequestGroups
-from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
+from pagedkv.core.sched.scheduler_interface import Scheduler, SchedulerFactory, SchedulerHooks
+from pagedkv.core.sched.scheduler_output import Sample, SchedulerOutput
 from pagedkv.core.sched.sequence import RequestOutput, Sequence
 from pagedkv.core.sched.stop_check import StopCheck, eos_token_ids_of
 from pagedkv.core.startup_phases import phase
@@ -57,7 +63,7 @@ from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.step_sampling import StepSampling, sampling_rows
 
 
-def _auto_dtype(config: EngineConfig, model: Any, runner: Any) -> torch.dtype:
+def _auto_dtype(config: EngineConfig, model: torch.nn.Module | None, runner: Runner | None) -> torch.dtype:
     if model is not None:
         checkpoint = getattr(model, "dtype", None)
     elif runner is not None:
@@ -81,9 +87,9 @@ class Engine:
         self,
         config: EngineConfig | None = None,
         *,
-        model: Any = None,
+        model: torch.nn.Module | None = None,
         tokenizer: Any = None,
-        plugins: tuple[Any, ...] = (),
+        plugins: tuple[object, ...] = (),
         runner: Runner | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -107,45 +113,65 @@ class Engine:
         self.vocab_size = getattr(hf_config, "vocab_size", None) or 2**31
         self.spec, self.num_blocks, self.max_model_len = size_kv_cache(config, hf_config, model, runner is None)
         self.capacity_tokens = self.num_blocks * config.block_size
-
-        self.events = EventLog(enabled=has_impls(self.pm, "pagedkv_on_step_events"))
-        on_release = PoolHook(self.pm, "pagedkv_on_block_released", firstresult=True)
-        on_evict = PoolHook(self.pm, "pagedkv_on_block_evicted", firstresult=False)
-        self.pool = BlockPool(self.num_blocks, self.events, on_release=on_release or None, on_evict=on_evict or None)
-        alloc_hooks = self.pm.hook if self._any_impl("pagedkv_match_prefix", "pagedkv_copy_on_write") else None
-        self.allocator = allocator_entry.factory(self.pool, config.block_size, alloc_hooks)
-        self._sharing = alloc_hooks is not None
-        forks = has_impls(self.pm, "pagedkv_fork_after_prefill")
-        self._fork_hook = self.pm.hook.pagedkv_fork_after_prefill if forks else None
-        sched_hooks = self.pm.hook if self._any_impl("pagedkv_choose_preemption") else None
-        self.swap_space = call_startup(self.pm, "pagedkv_swap_space", firstresult=True, config=config, spec=self.spec)
-        self.scheduler = self._make_scheduler(scheduler_entry, sched_hooks)
+        self.stats = RunStats()
+        self._build_memory(allocator_entry.factory)
         self.stop_check = StopCheck(eos_token_ids_of(model, tokenizer), tokenizer)
-        self.scheduler.connect(self.stop_check, Observers(self.pm, "pagedkv_on_block_full"))
-        self.scheduler.on_step_peak = self._observe_peak
-        self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
+        self.scheduler = self._build_scheduler(self._scheduler_factory(scheduler_entry))
         if runner is None:
             with phase("model runner built"):
                 runner = make_runner(config, model, self.backend, self.spec, self.num_blocks, self.swap_space,
                                      from_config)
         self.runner = runner
-        self.sampler = Sampler(config.seed)
-        self.stats = RunStats()
-        self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
-        self.requests = RequestGroups(self.sampler, self.max_model_len, self.stats, self.events)
-        self.grammars = self._make_grammar_compiler()
-        self.grammar_gate = GrammarGate()
-        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys, self.grammars)
-        self.outputs = OutputProcessor(self.requests, self.scheduler, self.stats, tokenizer)
-        self._ids = itertools.count()  # request ids 0, 1, 2, ...
+        self._build_step_parts(clock)
         call_startup(self.pm, "pagedkv_engine_started", engine=self)
 
     eos_token_ids = property(lambda self: self.stop_check.eos_token_ids,
                              lambda self, ids: setattr(self.stop_check, "eos_token_ids", frozenset(ids)),
                              doc="The model's end-of-sequence ids (kept by the stop check).")
 
-    def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
-        return entry.factory(self.config, self.allocator, self.events, hooks, swap_space=self.swap_space)
+    def _build_memory(self, allocator_factory: AllocatorFactory) -> None:
+        """The block pool, the allocator over it and the swap space (a plugin's, or None), each with the
+        plugin hooks it calls; a hook no plugin implements is not passed at all (it costs nothing)."""
+        pm = self.pm
+        self.events = EventLog(enabled=has_impls(pm, "pagedkv_on_step_events"))
+        on_release = PoolHook(pm, "pagedkv_on_block_released", firstresult=True) or None
+        on_evict = PoolHook(pm, "pagedkv_on_block_evicted", firstresult=False) or None
+        self.pool = BlockPool(self.num_blocks, self.events, on_release=on_release, on_evict=on_evict)
+        match_prefix = Decision(pm, "pagedkv_match_prefix") or None
+        copy_on_write = Decision(pm, "pagedkv_copy_on_write") or None
+        sharing = match_prefix is not None or copy_on_write is not None
+        hooks = AllocatorHooks(match_prefix, copy_on_write) if sharing else None
+        self.allocator: Allocator = allocator_factory(self.pool, self.config.block_size, hooks)
+        self._sharing = sharing
+        self._fork_hook = Decision(pm, "pagedkv_fork_after_prefill") or None
+        self.swap_space: SwapSpace | None = call_startup(pm, "pagedkv_swap_space", firstresult=True,
+                                                         config=self.config, spec=self.spec)
+
+    def _scheduler_factory(self, entry: Entry) -> SchedulerFactory:
+        """The registered scheduler's factory (the simulator's engine puts an equivalent, faster one here)."""
+        return entry.factory
+
+    def _build_scheduler(self, factory: SchedulerFactory) -> Scheduler:
+        """The scheduler, whole: limits, allocator, events, the hooks it calls, the stop rule, the swap space."""
+        hooks = SchedulerHooks(
+            choose_preemption=Decision(self.pm, "pagedkv_choose_preemption") or None,
+            on_block_full=Observers(self.pm, "pagedkv_on_block_full") or None,
+            on_step_peak=self._observe_peak,
+        )
+        return factory(self.config, self.allocator, self.events, hooks, stop_check=self.stop_check,
+                       swap_space=self.swap_space)
+
+    def _build_step_parts(self, clock: Callable[[], float] | None) -> None:
+        """What a step runs through after the model: sampling, request groups, grammars, outputs."""
+        self._step_observers = Observers(self.pm, "pagedkv_on_step_events")
+        self.sampler = Sampler(self.config.seed)
+        self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
+        self.requests = RequestGroups(self.sampler, self.max_model_len, self.stats, self.events)
+        self.grammars = self._make_grammar_compiler()
+        self.grammar_gate = GrammarGate()
+        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys, self.grammars)
+        self.outputs = OutputProcessor(self.requests, self.scheduler, self.stats, self.tokenizer)
+        self._ids = itertools.count()  # request ids 0, 1, 2, ...
 
     def _make_grammar_compiler(self) -> GrammarCompiler:
         """The compiler of constrained requests' grammars; its backend is built on first use, off this thread."""
@@ -153,7 +179,7 @@ class Engine:
             self.config.structured_outputs_backend)
         tokenizer, vocab_size = self.tokenizer, self.vocab_size
 
-        def make_backend() -> Any:
+        def make_backend() -> GrammarBackend:
             if tokenizer is None:
                 raise RequestRejected("structured outputs need the model's tokenizer")
             return entry.factory(tokenizer, vocab_size, self.stop_check.eos_token_ids)
@@ -221,7 +247,7 @@ class Engine:
         params = params.checked_copy() if params is not None else SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
-        if priority and not getattr(self.scheduler, "uses_priority", False):
+        if priority and not self.scheduler.uses_priority:
             raise RequestRejected(f"priority {priority} needs priority scheduling (scheduler 'priority', "
                                   f"--scheduling-policy priority); this engine runs {self.config.scheduler!r}")
         text, token_ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
@@ -234,7 +260,7 @@ class Engine:
         grammar = self._submit_grammar(params)
         first_key = self.requests.reserve_keys(params.n)  # before any plugin runs (see request_groups)
         try:
-            fork = params.n > 1 and bool(self._fork_hook and call_decision(self._fork_hook, params=params))
+            fork = params.n > 1 and self._fork_hook is not None and bool(self._fork_hook(params=params))
         except PluginFault as fault:
             raise RequestRejected(str(fault)) from fault
         seqs = self.requests.add(request_id, token_ids, params, first_key, fork=fork, prompt=text,
@@ -251,7 +277,7 @@ class Engine:
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
 
-    def _submit_grammar(self, params: SamplingParams) -> Any:
+    def _submit_grammar(self, params: SamplingParams) -> Future[CompiledGrammar] | None:
         """The compile future of a constrained request (None if unconstrained); one already failed is refused."""
         if params.structured is None:
             return None
@@ -262,7 +288,7 @@ class Engine:
             result_of(future)  # raises RequestRejected with the reason
         return future
 
-    def check_structured(self, constraint: Any) -> None:
+    def check_structured(self, constraint: StructuredOutputs) -> None:
         """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
         saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar."""
         if self.tokenizer is None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError, PagedKVError
 from pagedkv.core.kv.kv_cache import KVCacheSpec, decide_max_model_len, decide_num_blocks
 from pagedkv.core.limits import check_cap, check_host_memory
+from pagedkv.core.plugin.plugin_manager import Entry
 
 
-def start_backend(entry: Any, config: Any) -> Any:
+def start_backend(entry: Entry, config: EngineConfig) -> Any:
     """Build the attention backend; any failure is a :class:`ConfigError` naming it."""
     try:
         return entry.factory(config)
@@ -25,7 +27,7 @@ def start_backend(entry: Any, config: Any) -> Any:
         raise ConfigError(f"backend {config.backend!r} cannot start: {exc}") from exc
 
 
-def check_kv_size(num_blocks: int, bytes_per_block: int, config: Any, allocates: bool) -> int:
+def check_kv_size(num_blocks: int, bytes_per_block: int, config: EngineConfig, allocates: bool) -> int:
     """``num_blocks`` if the pool may have that many blocks and, when ``allocates``, its host memory fits."""
     if allocates and str(config.device).startswith("cuda"):
         check_device_memory(num_blocks * bytes_per_block, config.device, f"the KV cache ({num_blocks:,} blocks)")
@@ -53,7 +55,7 @@ def check_device_memory(nbytes: int, device: str, what: str) -> None:
         )
 
 
-def size_kv_cache(config: Any, hf_config: Any, model: Any, allocates: bool) -> tuple[KVCacheSpec, int, int]:
+def size_kv_cache(config: EngineConfig, hf_config: Any, model: Any, allocates: bool) -> tuple[KVCacheSpec, int, int]:
     """(per-rank spec, number of blocks, max_model_len) for ``config`` on this model; ``allocates``: the cache
     will really be allocated (its size is checked against the memory there is)."""
     spec = KVCacheSpec.from_model_config(hf_config, config.block_size, config.kv_dtype)

@@ -13,7 +13,3 @@ class ConfigError(PagedKVError, ValueError):
 
 class RequestRejected(PagedKVError, ValueError):
     """A request can never be served (too long, empty, bad parameters); other requests are unaffected."""
-
-
-class UnknownBackendError(ConfigError):
-    """No registered attention backend has the requested name."""

@@ -4,7 +4,8 @@ Registrar hooks run once at engine start-up and fill typed registries; the hot
 path then calls plain methods on the chosen objects. A plugin acts on the core
 only through these hooks, the arguments they pass and the typed protocols they
 name (:class:`~pagedkv.core.kv.swap_space.SwapSpace`, :class:`~pagedkv.core.kv.kv_view.KVCacheView`,
-``PagedAllocator.replace_block``); it never sets a core object's attribute. Which decision and observer
+:class:`~pagedkv.core.kv.allocator_interface.Allocator`, :class:`~pagedkv.core.sched.scheduler_interface.Scheduler`);
+it never sets a core object's attribute. Which decision and observer
 hooks an engine calls is decided when it is built, so register plugins before
 (``Engine(plugins=...)``, entry points, or ``pagedkv_configure``), not after. Decision hooks
 (``firstresult=True``) pick one answer; observer hooks are broadcast, batched
@@ -13,9 +14,21 @@ per step. No hook is called per layer or per token.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # type hints only: the contract names the core's types, and imports none of them
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.events import Event
+    from pagedkv.core.kv.allocator_interface import Allocator
+    from pagedkv.core.kv.kv_cache import KVCacheSpec
+    from pagedkv.core.kv.swap_space import SwapSpace
+    from pagedkv.core.plugin.plugin_manager import Register
+    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.sched.scheduler_interface import Scheduler
+    from pagedkv.core.sched.sequence import Sequence
 
 PROJECT = "pagedkv"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -26,7 +39,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def pagedkv_register_backends(register: Any) -> None:
+def pagedkv_register_backends(register: Register) -> None:
     """Register attention backends.
 
     Call ``register(name, factory, description)``; ``factory(config)`` returns an
@@ -36,35 +49,41 @@ def pagedkv_register_backends(register: Any) -> None:
 
 
 @hookspec
-def pagedkv_register_allocators(register: Any) -> None:
-    """Register block allocators: ``register(name, factory, description)``;
-    ``factory(pool, block_size, hooks)`` where ``hooks`` is ``pm.hook`` or None."""
+def pagedkv_register_allocators(register: Register) -> None:
+    """Register block allocators: ``register(name, factory, description)``; ``factory(pool, block_size, hooks)``
+    (an :class:`~pagedkv.core.kv.allocator_interface.AllocatorFactory`) returns an
+    :class:`~pagedkv.core.kv.allocator_interface.Allocator`; ``hooks`` is an ``AllocatorHooks`` (the plugin
+    decisions it may ask) or None when no plugin makes any."""
 
 
 @hookspec
-def pagedkv_register_schedulers(register: Any) -> None:
+def pagedkv_register_schedulers(register: Register) -> None:
     """Register schedulers: ``register(name, factory, description)``;
-    ``factory(config, allocator, events, hooks, swap_space=...)`` where ``hooks`` is ``pm.hook`` or None and
-    ``swap_space`` is the engine's :class:`~pagedkv.core.kv.swap_space.SwapSpace` or None."""
+    ``factory(config, allocator, events, hooks, stop_check=..., swap_space=...)`` (a
+    :class:`~pagedkv.core.sched.scheduler_interface.SchedulerFactory`) returns a
+    :class:`~pagedkv.core.sched.scheduler_interface.Scheduler`; ``hooks`` is a ``SchedulerHooks`` (what it
+    calls outside itself), ``stop_check`` the engine's end-of-sequence rule and ``swap_space`` the engine's
+    :class:`~pagedkv.core.kv.swap_space.SwapSpace` or None."""
 
 
 @hookspec
-def pagedkv_register_grammar_backends(register: Any) -> None:
+def pagedkv_register_grammar_backends(register: Register) -> None:
     """Register grammar backends for structured outputs: ``register(name, factory, description)``;
-    ``factory(tokenizer, vocab_size, eos_token_ids)`` returns a :class:`~pagedkv.core.grammar_backend.GrammarBackend`
-    (called once, on the compile thread, when the first constrained request arrives: import heavy packages there).
+    ``factory(tokenizer, vocab_size, eos_token_ids)`` returns a
+    :class:`~pagedkv.core.sample.grammar_backend.GrammarBackend` (called once, on the compile thread, when the
+    first constrained request arrives: import heavy packages there).
     ``EngineConfig.structured_outputs_backend`` names the one an engine uses (``"guidance"``, built in)."""
 
 
 @hookspec
-def pagedkv_register_tool_parsers(register: Any) -> None:
+def pagedkv_register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers for ``engine serve --tool-call-parser NAME``: ``register(name, factory,
     description)``; ``factory()`` returns an object with ``parse(text, final)`` giving a
     :class:`~pagedkv.serve.tool_parsers.base.Parsed` (content, and the calls seen so far)."""
 
 
 @hookspec
-def pagedkv_register_reasoning_parsers(register: Any) -> None:
+def pagedkv_register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers for ``engine serve --reasoning-parser NAME``: ``register(name, factory,
     description)``; ``factory()`` returns an object with ``split(text, final)`` giving (reasoning, content)."""
 
@@ -73,7 +92,7 @@ def pagedkv_register_reasoning_parsers(register: Any) -> None:
 
 
 @hookspec
-def pagedkv_configure(config: Any, pm: Any) -> None:
+def pagedkv_configure(config: EngineConfig, pm: pluggy.PluginManager) -> None:
     """The engine is being built from ``config``; plugins are known but nothing is allocated yet.
 
     A plugin that keeps per-engine state registers a fresh object here,
@@ -84,14 +103,14 @@ def pagedkv_configure(config: Any, pm: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def pagedkv_swap_space(config: Any, spec: Any) -> Any | None:
+def pagedkv_swap_space(config: EngineConfig, spec: KVCacheSpec) -> SwapSpace | None:
     """Offer a place for preempted sequences' KV blocks: return a :class:`~pagedkv.core.kv.swap_space.SwapSpace`
     (or None). ``spec`` is the :class:`~pagedkv.core.kv.kv_cache.KVCacheSpec`. The scheduler then calls it
     when a preemption is answered ``"swap"``, and a real model runner asks it for its host caches."""
 
 
 @hookspec
-def pagedkv_engine_started(engine: Any) -> None:
+def pagedkv_engine_started(engine: Engine) -> None:
     """The engine is built (pool, allocator, scheduler, model runner); plugins may keep a reference
     and read it through public, read-only views (``engine.kv_view()``, ``engine.stats``, ``engine.config``)."""
 
@@ -100,7 +119,7 @@ def pagedkv_engine_started(engine: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def pagedkv_match_prefix(seq: Any, allocator: Any) -> list[int] | None:
+def pagedkv_match_prefix(seq: Sequence, allocator: Allocator) -> list[int] | None:
     """A new request starts: return physical block ids already holding its first full blocks.
 
     The core takes a reference on each returned block and skips computing their
@@ -109,13 +128,13 @@ def pagedkv_match_prefix(seq: Any, allocator: Any) -> list[int] | None:
 
 
 @hookspec(firstresult=True)
-def pagedkv_fork_after_prefill(params: Any) -> bool | None:
+def pagedkv_fork_after_prefill(params: SamplingParams) -> bool | None:
     """A request asks for ``params.n > 1`` samples: return True to prefill the prompt once and
     fork the samples after prefill, sharing its blocks (the default runs n independent sequences)."""
 
 
 @hookspec(firstresult=True)
-def pagedkv_copy_on_write(seq: Any, logical_index: int, allocator: Any) -> bool | None:
+def pagedkv_copy_on_write(seq: Sequence, logical_index: int, allocator: Allocator) -> bool | None:
     """``seq`` is about to write into block ``logical_index``, which other sequences share.
 
     Give it a private copy with ``allocator.replace_block(seq, logical_index)`` (a new block in
@@ -125,7 +144,7 @@ def pagedkv_copy_on_write(seq: Any, logical_index: int, allocator: Any) -> bool 
 
 
 @hookspec(firstresult=True)
-def pagedkv_choose_preemption(seq: Any, scheduler: Any) -> str | None:
+def pagedkv_choose_preemption(seq: Sequence, scheduler: Scheduler) -> str | None:
     """The scheduler must preempt ``seq``: answer ``"swap"`` or ``"recompute"`` (the default).
 
     ``"swap"`` is honoured only when the engine has a swap space (``pagedkv_swap_space``)
@@ -153,7 +172,7 @@ def pagedkv_on_block_evicted(block_id: int) -> None:
 
 
 @hookspec
-def pagedkv_on_block_full(seq: Any, logical_index: int, block_id: int) -> None:
+def pagedkv_on_block_full(seq: Sequence, logical_index: int, block_id: int) -> None:
     """A sequence's block ``logical_index`` (physical ``block_id``) now holds ``block_size`` computed tokens."""
 
 
@@ -163,5 +182,5 @@ def pagedkv_report_stats() -> dict[str, Any]:
 
 
 @hookspec
-def pagedkv_on_step_events(events: list[Any]) -> None:
+def pagedkv_on_step_events(events: list[Event]) -> None:
     """The telemetry events of one step (block and request state changes), in order."""

@@ -5,12 +5,15 @@ Used by the tests after every operation and by the soak run; cheap enough for de
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedkv.core.sched.sequence import SequenceStatus
 
+if TYPE_CHECKING:  # (the engine imports this module)
+    from pagedkv.core.engine import Engine
 
-def check_invariants(engine: Any) -> None:
+
+def check_invariants(engine: Engine) -> None:
     """Every block is free, owned by exactly its holders, or kept; queues agree with states.
 
     Raises ``AssertionError`` naming the first broken rule.

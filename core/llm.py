@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
@@ -11,6 +11,9 @@ from pagedkv.core.prompt_inputs import is_single_prompt
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.request_check import check_text
 from pagedkv.core.sched.sequence import RequestOutput
+
+if TYPE_CHECKING:  # type hints only (torch is imported by the engine already)
+    import torch
 
 
 class LLM:
@@ -25,9 +28,9 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        hf_model: Any = None,
+        hf_model: torch.nn.Module | None = None,
         tokenizer: Any = None,
-        plugins: tuple[Any, ...] = (),
+        plugins: tuple[object, ...] = (),
         **config: Any,
     ) -> None:
         self.engine = Engine(EngineConfig(model=model, **config), model=hf_model, tokenizer=tokenizer, plugins=plugins)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.sched.request_groups import RequestGroups
+from pagedkv.core.sched.scheduler_interface import Scheduler
 from pagedkv.core.sched.sequence import RequestOutput, Sequence
 from pagedkv.core.stats import RunStats
 
 
 class OutputProcessor:
-    def __init__(self, requests: RequestGroups, scheduler: Any, stats: RunStats, tokenizer: Any) -> None:
+    def __init__(self, requests: RequestGroups, scheduler: Scheduler, stats: RunStats, tokenizer: Any) -> None:
         self.requests = requests  # the engine's live requests; a finished one is let go here
         self.scheduler = scheduler
         self.stats = stats

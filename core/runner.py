@@ -10,23 +10,30 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pagedkv.core.sched.scheduler import SchedulerOutput
+import torch
+
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.kv.kv_cache import KVCacheSpec
+from pagedkv.core.kv.swap_space import SwapSpace
+from pagedkv.core.sched.scheduler_output import SchedulerOutput
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, (k, v)
 
 
 class Runner(Protocol):
     """Runs one scheduled step."""
 
     model_config: Any  # the HF config (or anything with its shape fields): sizes the KV cache
-    kv_caches: list  # device KV tensors, per layer (empty for a stand-in)
-    cpu_kv_caches: Any  # the CPU swap pool's tensors, if a swap plugin gave it some
+    kv_caches: KVCaches  # device KV tensors, per layer (empty for a stand-in)
+    cpu_kv_caches: KVCaches | None  # the CPU swap pool's tensors, if a swap plugin gave it some
 
     def execute(self, out: SchedulerOutput) -> Any:
         """Logits ``[num_sampling_seqs, vocab]`` in scheduled order, one row per sequence that samples."""
         ...
 
 
-def make_runner(config: Any, model: Any, backend: Any, spec: Any, num_blocks: int, swap_space: Any,
-                from_config: bool) -> Any:
+def make_runner(config: EngineConfig, model: torch.nn.Module, backend: Any, spec: KVCacheSpec, num_blocks: int,
+                swap_space: SwapSpace | None, from_config: bool) -> Runner:
     """The runner for a real model: one process, or rank 0 of ``config.tensor_parallel_size`` ranks."""
     from pagedkv.core.model.model_runner import ModelRunner
 

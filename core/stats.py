@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # type hints only: this foundation module sits below every room
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.kv.block_pool import BlockPool
+    from pagedkv.core.sched.scheduler_interface import Scheduler
+    from pagedkv.core.sched.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -24,7 +30,7 @@ class RunStats:
     prefill_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits skip some)
     elapsed: float = 0.0
 
-    def observe_step(self, out: Any, scheduler: Any, used_blocks: int, tokens_held: Callable[[], int],
+    def observe_step(self, out: SchedulerOutput, scheduler: Scheduler, used_blocks: int, tokens_held: Callable[[], int],
                      block_size: int) -> None:
         """A step ran: count it, its preemptions, and KV memory (waste is counted only at a new peak)."""
         self.steps += 1
@@ -52,7 +58,7 @@ class RunStats:
         return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
 
 
-def tokens_held(scheduler: Any, pool: Any, block_size: int, sharing: bool, forks: bool) -> int:
+def tokens_held(scheduler: Scheduler, pool: BlockPool, block_size: int, sharing: bool, forks: bool) -> int:
     """Computed tokens in used blocks, counting a shared block once.
 
     Without sharing, the running sequences' computed tokens. With sharing but no forks (prefix
@@ -76,7 +82,7 @@ def tokens_held(scheduler: Any, pool: Any, block_size: int, sharing: bool, forks
     return block_size * len(full) + sum(f for block_id, f in partial.items() if block_id not in full)
 
 
-def summarize(engine: Any) -> dict:
+def summarize(engine: Engine) -> dict[str, Any]:
     """The run's figures as ``engine run`` and ``engine simulate`` report them."""
     s = engine.stats
     return {

@@ -8,19 +8,23 @@ fails it once the step's bookkeeping is done, and the others go on exactly as wi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from pagedkv.core.sample.grammar_compiler import GrammarCompiler
 from pagedkv.core.sample.grammar_step import advance_matchers, allowed_masks
 from pagedkv.core.sample.logprobs import prompt_logprob_span, record_prompt_logprobs
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_batch import SamplingBatch
-from pagedkv.core.sched.scheduler import Sample, SchedulerOutput
+from pagedkv.core.sched.scheduler_output import Sample, SchedulerOutput
 from pagedkv.core.sched.sequence import Sequence
+from pagedkv.core.sched.stop_check import StopCheck
+
+Fork = Callable[[Sequence, int], list[Sequence]]  # (parent, its computed tokens) -> the children forked from it
 
 
-def sampling_rows(out: SchedulerOutput, fork: Any) -> tuple[list[Sequence], list[int]]:
+def sampling_rows(out: SchedulerOutput, fork: Fork) -> tuple[list[Sequence], list[int]]:
     """The sequences that sample this step and their logits rows. A parent with samples still to fork
     is split first (``fork(parent, computed)`` returns its new children): they share the parent's row
     but draw with their own generators."""
@@ -39,7 +43,8 @@ def sampling_rows(out: SchedulerOutput, fork: Any) -> tuple[list[Sequence], list
 
 
 class StepSampling:
-    def __init__(self, sampler: Sampler, stop_check: Any, seq_keys: dict[int, int], grammars: Any = None) -> None:
+    def __init__(self, sampler: Sampler, stop_check: StopCheck, seq_keys: dict[int, int],
+                 grammars: GrammarCompiler | None = None) -> None:
         self.sampler = sampler
         self.grammars = grammars  # the engine's GrammarCompiler (its backend fills the masks), or None
         self.stop_check = stop_check

@@ -10,26 +10,35 @@ old reference dropped, the copy run before the step's forward).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedkv.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:  # type hints only
+    import pluggy
+
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.kv.allocator_interface import Allocator
+    from pagedkv.core.sample.sampling_params import SamplingParams
+    from pagedkv.core.sched.sequence import Sequence
 
 
 class CopyOnWrite:
     def __init__(self) -> None:
         self.copies = 0
-        self.engine: Any = None
+        self.engine: Engine | None = None
 
     @hookimpl
-    def pagedkv_engine_started(self, engine: Any) -> None:
+    def pagedkv_engine_started(self, engine: Engine) -> None:
         self.engine = engine
 
     @hookimpl
-    def pagedkv_fork_after_prefill(self, params: Any) -> bool:
+    def pagedkv_fork_after_prefill(self, params: SamplingParams) -> bool:
         return True
 
     @hookimpl
-    def pagedkv_copy_on_write(self, seq: Any, logical_index: int, allocator: Any) -> bool:
+    def pagedkv_copy_on_write(self, seq: Sequence, logical_index: int, allocator: Allocator) -> bool:
         allocator.replace_block(seq, logical_index)
         self.copies += 1
         return True
@@ -41,6 +50,6 @@ class CopyOnWrite:
 
 
 @hookimpl
-def pagedkv_configure(config: Any, pm: Any) -> None:
+def pagedkv_configure(config: EngineConfig, pm: pluggy.PluginManager) -> None:
     if config.enable_copy_on_write:
         pm.register(CopyOnWrite(), name="copy_on_write.instance")

@@ -10,13 +10,20 @@ scheduler brings swapped sequences back before admitting new requests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.kv.block_pool import BlockPool
 from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
+
+if TYPE_CHECKING:  # type hints only
+    import pluggy
+
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.sched.scheduler_interface import Scheduler
+    from pagedkv.core.sched.sequence import Sequence
 
 
 class CpuSwap:
@@ -36,7 +43,7 @@ class CpuSwap:
     # --- hooks ----------------------------------------------------------------------------------------
 
     @hookimpl
-    def pagedkv_swap_space(self, config: Any, spec: KVCacheSpec) -> CpuSwap | None:
+    def pagedkv_swap_space(self, config: EngineConfig, spec: KVCacheSpec) -> CpuSwap | None:
         self.bytes_per_block = spec.bytes_per_block
         num_cpu_blocks = self.swap_bytes // self.bytes_per_block
         if num_cpu_blocks < 1:
@@ -45,7 +52,7 @@ class CpuSwap:
         return self
 
     @hookimpl
-    def pagedkv_choose_preemption(self, seq: Any, scheduler: Any) -> str:
+    def pagedkv_choose_preemption(self, seq: Sequence, scheduler: Scheduler) -> str:
         if self.cpu_pool is not None and len(seq.block_table) <= self.cpu_pool.num_free:
             return "swap"
         return "recompute"
@@ -61,7 +68,7 @@ class CpuSwap:
 
     # --- the SwapSpace protocol -----------------------------------------------------------------------
 
-    def swap_out(self, seq: Any) -> list[int] | None:
+    def swap_out(self, seq: Sequence) -> list[int] | None:
         if self.cpu_pool is None or len(seq.block_table) > self.cpu_pool.num_free:
             return None
         blocks = self.tables[seq.seq_id] = self.cpu_pool.allocate_many(len(seq.block_table), seq.request_id)
@@ -69,17 +76,17 @@ class CpuSwap:
         self.blocks_moved += len(blocks)
         return list(blocks)
 
-    def swap_in(self, seq: Any) -> list[int]:
+    def swap_in(self, seq: Sequence) -> list[int]:
         blocks = self.tables.pop(seq.seq_id)
         self.cpu_pool.decref_many(blocks)
         self.swap_ins += 1
         self.blocks_moved += len(blocks)
         return blocks
 
-    def free(self, seq: Any) -> None:
+    def free(self, seq: Sequence) -> None:
         self.cpu_pool.decref_many(self.tables.pop(seq.seq_id, []))
 
-    def blocks_of(self, seq: Any) -> list[int]:
+    def blocks_of(self, seq: Sequence) -> list[int]:
         return list(self.tables.get(seq.seq_id, ()))
 
     def host_kv_caches(self, spec: KVCacheSpec, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,6 +97,6 @@ class CpuSwap:
 
 
 @hookimpl
-def pagedkv_configure(config: Any, pm: Any) -> None:
+def pagedkv_configure(config: EngineConfig, pm: pluggy.PluginManager) -> None:
     if config.swap_space:
         pm.register(CpuSwap(int(config.swap_space)), name="cpu_swap.instance")

@@ -14,9 +14,20 @@ shared heads live longest).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:  # type hints only
+    from collections.abc import Iterator
+
+    import pluggy
+
+    from pagedkv.core.config import EngineConfig
+    from pagedkv.core.engine import Engine
+    from pagedkv.core.kv.allocator_interface import Allocator
+    from pagedkv.core.kv.block_pool import BlockPool
+    from pagedkv.core.sched.sequence import Sequence
 
 
 class PrefixCache:
@@ -31,12 +42,12 @@ class PrefixCache:
         self._counted: set[tuple[int, int]] = set()  # (sequence, preemptions) already in the metrics
 
     @hookimpl
-    def pagedkv_engine_started(self, engine: Any) -> None:
+    def pagedkv_engine_started(self, engine: Engine) -> None:
         self.block_size = engine.config.block_size
 
     # --- keys ---------------------------------------------------------------------------------------
 
-    def _chunks(self, seq: Any, num_blocks: int):
+    def _chunks(self, seq: Sequence, num_blocks: int) -> Iterator[tuple[int, tuple[int, ...]]]:
         """(key, token ids) of the sequence's first ``num_blocks`` full blocks."""
         tokens = seq.token_ids
         key = hash(("pagedkv", seq.cache_salt))
@@ -48,7 +59,7 @@ class PrefixCache:
     # --- hooks ----------------------------------------------------------------------------------------
 
     @hookimpl
-    def pagedkv_on_block_full(self, seq: Any, logical_index: int, block_id: int) -> None:
+    def pagedkv_on_block_full(self, seq: Sequence, logical_index: int, block_id: int) -> None:
         if block_id in self.block_info:
             return
         parent = self.block_info.get(seq.block_table[logical_index - 1]) if logical_index else None
@@ -63,7 +74,7 @@ class PrefixCache:
             self.block_info[block_id] = (key, chunk)
 
     @hookimpl
-    def pagedkv_match_prefix(self, seq: Any, allocator: Any) -> list[int]:
+    def pagedkv_match_prefix(self, seq: Sequence, allocator: Allocator) -> list[int]:
         max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
         blocks = []
         for key, chunk in self._chunks(seq, max_blocks):
@@ -104,7 +115,7 @@ class PrefixCache:
             "prefix_evictions": self.evictions,
         }
 
-    def check(self, pool: Any) -> None:
+    def check(self, pool: BlockPool) -> None:
         """Invariants for tests: the pool's cached blocks are exactly the indexed ones nobody holds;
         keys point back."""
         unheld = {block_id for block_id in self.block_info if pool.ref_counts[block_id] == 0}
@@ -114,6 +125,6 @@ class PrefixCache:
 
 
 @hookimpl
-def pagedkv_configure(config: Any, pm: Any) -> None:
+def pagedkv_configure(config: EngineConfig, pm: pluggy.PluginManager) -> None:
     if config.enable_prefix_caching:
         pm.register(PrefixCache(), name="prefix_cache.instance")

@@ -67,8 +67,8 @@ class DecodeLaneScheduling:
     lane: DecodeLane
     quiet = False  # the last step only moved the lane: nothing crossed, filled, finished, arrived or ran outside
 
-    def connect(self, stop_check: Any, on_block_full: Any) -> None:
-        super().connect(stop_check, on_block_full)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.lane = DecodeLane(
             self.allocator.block_size, token=SimulatedRunner.TOKEN, report_fills=self.on_block_full is not None
         )

@@ -46,13 +46,12 @@ class SimEngine(Engine):
         super().__init__(config, plugins=plugins, runner=runner, clock=clock)
         self.lane: DecodeLane | None = getattr(self.scheduler, "lane", None)
 
-    def _make_scheduler(self, entry: Any, hooks: Any) -> Any:
+    def _scheduler_factory(self, entry: Any) -> Any:
         if self._lane_wanted and not (
             self._fork_hook or self._any_impl("pagedkv_copy_on_write", "pagedkv_on_step_events")
         ) and lane_reproduces(entry.factory, self.allocator):
-            laned = with_decode_lane(entry.factory)
-            return laned(self.config, self.allocator, self.events, hooks, swap_space=self.swap_space)
-        return super()._make_scheduler(entry, hooks)
+            return with_decode_lane(entry.factory)
+        return super()._scheduler_factory(entry)
 
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """As :meth:`Engine.step`, without torch's inference mode (no model runs here)."""
@@ -141,7 +140,7 @@ class SimEngine(Engine):
 
     def lane_preempts(self) -> bool:
         """A lane step may preempt without the step machinery: no plugin chooses how (swap or recompute)."""
-        return self.scheduler.hooks is None
+        return self.scheduler.choose_preemption is None
 
     def cross_to_events(self, due: list[Sequence]) -> list[RequestOutput]:
         """As :meth:`cross`, on a step on which members also finish or fill a block: the lane scheduler

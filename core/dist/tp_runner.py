@@ -28,7 +28,7 @@ from pagedkv.core.dist.distributed import (
 )
 from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
 from pagedkv.core.model.model_runner import ModelRunner
-from pagedkv.core.sched.scheduler import SchedulerOutput
+from pagedkv.core.sched.scheduler_output import SchedulerOutput
 from pagedkv.core.dist.tensor_parallel import rank_spec
 
 

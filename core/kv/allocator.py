@@ -8,10 +8,10 @@ be measured on the same workload.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pagedkv.core.kv.allocator_interface import AllocatorHooks
 from pagedkv.core.kv.block_pool import BlockPool
-from pagedkv.core.plugin.plugin_guard import call_decision
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
     from pagedkv.core.sched.sequence import Sequence
@@ -22,11 +22,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PagedAllocator:
-    """Grows tables on demand and frees them tail first."""
+    """Grows tables on demand and frees them tail first: the reference
+    :class:`~pagedkv.core.kv.allocator_interface.Allocator`.
+
+    ``hooks`` is None when no plugin can make blocks shared: then no write needs a copy-on-write check.
+    """
 
     name = "paged"
 
-    def __init__(self, pool: BlockPool, block_size: int, hooks: Any = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, hooks: AllocatorHooks | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.hooks = hooks
@@ -60,9 +64,8 @@ class PagedAllocator:
         if needed > self.pool.num_available:
             return False
         if shared is not None:
-            done = self.hooks is not None and call_decision(
-                self.hooks.pagedkv_copy_on_write, seq=seq, logical_index=shared, allocator=self
-            )
+            copy_on_write = self.hooks.copy_on_write
+            done = copy_on_write is not None and copy_on_write(seq=seq, logical_index=shared, allocator=self)
             if not done:
                 raise RuntimeError("a shared KV block is about to be written and no copy-on-write plugin handled it")
         for _ in range(new_blocks):
@@ -104,11 +107,12 @@ class PagedAllocator:
 
     def match_prefix(self, seq: Sequence) -> int:
         """On admission, let a plugin hand over cached blocks; returns tokens skipped."""
-        if self.hooks is None or seq.num_computed_tokens or len(seq.block_table):
+        match = self.hooks.match_prefix if self.hooks is not None else None
+        if match is None or seq.num_computed_tokens or len(seq.block_table):
             return 0
         if seq.params.prompt_logprobs is not None:  # its prompt logprobs need every prompt position computed
             return 0
-        blocks = call_decision(self.hooks.pagedkv_match_prefix, seq=seq, allocator=self)
+        blocks = match(seq=seq, allocator=self)
         if not blocks:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last token

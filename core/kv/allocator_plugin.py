@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.core.kv.allocator import PagedAllocator, StaticAllocator
+from pagedkv.core.plugin.plugin_manager import Register
 
 
 @hookimpl
-def pagedkv_register_allocators(register: Any) -> None:
+def pagedkv_register_allocators(register: Register) -> None:
     register("paged", PagedAllocator, "PagedAttention: grow one block at a time")
     register("static", StaticAllocator, "baseline: reserve max_model_len slots per request up front")

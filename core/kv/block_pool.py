@@ -9,16 +9,16 @@ The queue is handed out from its right end. Plain free blocks join at the
 right, so the most recently freed is reused first; cached blocks join at the
 left, behind every plain block, so the cache is evicted only when no plain
 block is left, least recently released first. Reviving a cached block takes it
-out of the queue with a scan from the left, where the most recently released
-(the likeliest to be shared again) sit. The pool knows nothing about sequences.
+out of the queue in constant time (:class:`~pagedkv.core.kv.free_block_queue.FreeBlockQueue`).
+The pool knows nothing about sequences.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.core.events import EventLog
+from pagedkv.core.kv.free_block_queue import FreeBlockQueue
 
 KeepBlock = Callable[[int], bool]  # a released block: True if its content stays reusable (cached)
 BlockEvicted = Callable[[int], object]  # a cached block is about to be handed out for new content
@@ -44,18 +44,22 @@ class BlockPool:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.free_queue: deque[int] = deque(reversed(range(num_blocks)))  # a fresh pool hands out 0, 1, 2, ...
-        self.cached = [False] * num_blocks  # True while a free block's content stays reusable
-        self.num_cached = 0
+        self.free_queue = FreeBlockQueue(num_blocks)  # a fresh pool hands out 0, 1, 2, ...
+        self._plain = self.free_queue.plain  # its plain blocks (the hot path's, one lookup away)
         self.shared_refs = 0  # references beyond each block's first, summed: 0 when nothing is shared
         self.events = events or EventLog()
         self.on_release = on_release
         self.on_evict = on_evict
 
     @property
+    def num_cached(self) -> int:
+        """Free blocks whose content stays reusable."""
+        return self.free_queue.num_cached
+
+    @property
     def num_free(self) -> int:
         """Free blocks holding nothing reusable."""
-        return len(self.free_queue) - self.num_cached
+        return len(self._plain)
 
     @property
     def num_available(self) -> int:
@@ -68,19 +72,20 @@ class BlockPool:
 
     def cached_blocks(self) -> list[int]:
         """The cached blocks, the next to be evicted first."""
-        return list(reversed(self.free_queue))[len(self.free_queue) - self.num_cached :]
+        return self.free_queue.cached_blocks()
 
     def allocate(self, owner: str | None = None) -> int:
         """Take the block at the right end of the free queue (ref count 1), evicting it if it was cached."""
-        if not self.free_queue:
-            raise OutOfBlocks("no free KV block")
-        block_id = self.free_queue.pop()
-        if self.cached[block_id]:
-            self.cached[block_id] = False
-            self.num_cached -= 1
+        plain = self._plain
+        if plain:
+            block_id = plain.pop()
+        elif self.free_queue:
+            block_id = self.free_queue.pop()  # the least recently released cached block
             self.events.emit("block_evict", block=block_id)
             if self.on_evict is not None:
                 self.on_evict(block_id)
+        else:
+            raise OutOfBlocks("no free KV block")
         self.ref_counts[block_id] = 1
         if self.events.enabled:
             self.events.emit("block_alloc", block=block_id, owner=owner)
@@ -92,9 +97,10 @@ class BlockPool:
         The usual case (no cached block among them, no listener) is one loop over
         local names: a static reservation of hundreds of blocks is one call.
         """
-        if count > len(self.free_queue) - self.num_cached or self.events.enabled:
+        plain = self._plain
+        if count > len(plain) or self.events.enabled:
             return [self.allocate(owner) for _ in range(count)]
-        pop = self.free_queue.pop  # (no cached block among the first `count`: they all come after the plain ones)
+        pop = plain.pop  # (no cached block among the first `count`: they all come after the plain ones)
         blocks = [pop() for _ in range(count)]
         refs = self.ref_counts
         for block_id in blocks:
@@ -104,11 +110,9 @@ class BlockPool:
     def incref(self, block_id: int, owner: str | None = None) -> None:
         """Share an owned block, or revive a cached one (it leaves the free queue)."""
         if self.ref_counts[block_id] == 0:
-            if not self.cached[block_id]:
+            if not self.free_queue.is_cached(block_id):
                 raise ValueError(f"block {block_id} is free; it cannot be shared")
-            self.free_queue.remove(block_id)
-            self.cached[block_id] = False
-            self.num_cached -= 1
+            self.free_queue.remove_cached(block_id)
         else:
             self.shared_refs += 1
         self.ref_counts[block_id] += 1
@@ -123,15 +127,13 @@ class BlockPool:
         free queue: cached (at the left, behind every plain block) if ``on_release`` says its
         content stays reusable, else plain (at the right: reused first)."""
         refs, events, keep = self.ref_counts, self.events, self.on_release
-        free, listening = self.free_queue.append, events.enabled
+        free, listening = self._plain.append, events.enabled
         for block_id in block_ids:
             left = refs[block_id] - 1
             if left == 0:
                 refs[block_id] = 0
                 if keep is not None and keep(block_id):
-                    self.free_queue.appendleft(block_id)
-                    self.cached[block_id] = True
-                    self.num_cached += 1
+                    self.free_queue.push_cached(block_id)
                     events.emit("block_keep", block=block_id)
                 else:
                     free(block_id)
@@ -150,11 +152,12 @@ class BlockPool:
         assert self.shared_refs == sum(refs - 1 for refs in self.ref_counts if refs > 1), "shared_refs is off"
         free = set(self.free_queue)
         assert len(free) == len(self.free_queue), "a block is in the free queue twice"
-        assert self.num_cached == sum(self.cached), "num_cached is off"
-        assert all(self.cached[b] for b in self.cached_blocks()), "a cached block is ahead of a plain free one"
+        cached = self.cached_blocks()
+        assert len(cached) == self.num_cached and all(self.free_queue.is_cached(b) for b in cached), "cache is off"
+        assert list(self.free_queue)[: len(cached)] == cached[::-1], "a cached block is ahead of a plain free one"
         for block_id, refs in enumerate(self.ref_counts):
             assert refs >= 0
             if refs > 0:
-                assert block_id not in free and not self.cached[block_id], f"block {block_id} owned and free"
+                assert block_id not in free, f"block {block_id} owned and free"
             else:
                 assert block_id in free, f"block {block_id} leaked"

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.config import EngineConfig
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.kv.kv_dtype import kv_dtype_name, row_width
 
@@ -93,7 +94,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_UTILIZATION = 0.9
 
 
-def decide_num_blocks(config: Any, spec: KVCacheSpec, model: Any = None) -> int:
+def decide_num_blocks(config: EngineConfig, spec: KVCacheSpec, model: Any = None) -> int:
     """Blocks for the configured budget: ``num_blocks``, else ``kv_cache_memory``, else (CUDA) what the
     GPU has left after the model's largest step, else 1 GiB on CPU. Under tensor parallelism ``spec`` is one
     rank's share, so a byte budget is per rank (as in vLLM) and buys N times the blocks."""
@@ -114,7 +115,7 @@ def decide_num_blocks(config: Any, spec: KVCacheSpec, model: Any = None) -> int:
     return blocks
 
 
-def profile_gpu_budget(model: Any, config: Any, utilization: float) -> int:
+def profile_gpu_budget(model: Any, config: EngineConfig, utilization: float) -> int:
     """vLLM's way: run the largest step once, then give the KV cache what is left."""
     device = torch.device(config.device)
     torch.cuda.empty_cache()
@@ -127,7 +128,7 @@ def profile_gpu_budget(model: Any, config: Any, utilization: float) -> int:
     return int(total * utilization) - peak
 
 
-def decide_max_model_len(config: Any, hf_config: Any, capacity_tokens: int) -> int:
+def decide_max_model_len(config: EngineConfig, hf_config: Any, capacity_tokens: int) -> int:
     """The configured or the model's limit, never more than the whole cache holds.
 
     An explicit ``max_model_len`` the cache cannot hold for one request is an error (as vLLM refuses to

@@ -1,45 +1,10 @@
 """The KV cache's storage dtype (``--kv-cache-dtype``) and the 8-bit row format every backend shares.
 
-``auto`` stores K/V in the model dtype (as before); ``bfloat16`` / ``float16`` store a cast; ``int8``,
-``fp8_e4m3`` and ``fp8_e5m2`` quantize. A quantized cache keeps the paged layout and adds one byte to
-every (token, KV head) row: ``[num_blocks, block_size, Hkv, head_dim + 1]`` in the 8-bit dtype, where the
-last byte is that row's scale code. The scale sits inside the block it scales, so every block operation
-(copy-on-write copies, CPU swap, prefix reuse, a tensor-parallel rank's share of the heads) moves data and
-scales together without knowing about them, and a cache tensor describes itself: its dtype says whether
-and how it is quantized, ``shape[-1] - head_dim`` says where the scale is.
-
-Why per (token, KV head) and not per (block, KV head): a token's scale is final when the token is
-written, so the write is one pass over the new rows; a per-block scale grows as the block fills and
-would re-quantize the block's earlier rows (twice-rounded) or clip them.
-
-Why a 1-byte E5M3 scale: one byte per 64 values (head_dim 64) gives 3.94x the fp32 tokens per byte, where
-a bfloat16 scale's 2 bytes gave 3.88x (issue 29 asks for 3.9x). The scale is rounded *up* to the byte's
-grid, so ``x / scale`` never exceeds QMAX (nothing clips), at the price of unused int8 range: with 3
-mantissa bits the grid steps by at most 1/8, so at worst 12.5% of the range (0.17 bit) and on average
-4.6% (log-uniform amax) is lost, where a power-of-two (E8M0) byte loses up to half the range (1 bit; mean logit error
-1.7x bfloat16's on SmolLM2) and bfloat16's rounding to nearest about 0.4% (but it clips by up to that).
-The code is unsigned: ``e = code >> 3``, ``m = code & 7``, ``scale = 2^(e - SCALE_BIAS) * (1 + m / 8)``,
-whose float32 bits are ``(code << 20) + ((127 - SCALE_BIAS) << 23)``: every backend decodes it with a
-shift and an add, and encodes it by rounding the float32 bits of ``amax / QMAX`` up to 3 mantissa bits,
-integer arithmetic only (no log2/exp2 whose last bit differs between libraries). Code 0 is a zero row;
-code 255 is NaN, so a non-finite row (an overflowed model) reads back non-finite as it would unquantized
-instead of being clipped into plausible values. ``q * scale`` is exact in float32 (an 8-bit value times a
-4-bit mantissa), so every backend reads the same K/V. Measured on SmolLM2 (64 prompts x 128 tokens,
-RESULTS.md): int8's mean logit error is 1.07x the bfloat16 scale's, teacher-forced agreement 99.0% vs 99.2%;
-fp8 pays more (e5m2 1.23x), its peak no longer landing on the format's largest value.
-
-Why SCALE_BIAS 22: finite scales span [1.125 * 2^-22, 1.75 * 2^9 = 896], which holds ``amax / QMAX`` of
-every dtype with room on both sides. SmolLM2's K/V rows have amax 0.045 to ~28 (30 layers, 512 tokens of
-``benchmarks/data/kv_quant_text.txt``): int8 scales 2^-11.5 to 2^-2.2, fp8_e4m3 2^-13 to 2^-4, fp8_e5m2
-2^-20.3 to 2^-11. The top is 12 binades above int8's largest and fits every float16 row of every dtype
-(int8 clips only rows with amax > 896 * 127 = 113,792; float16's largest is 65,504). At the bottom an int8
-row keeps its full range down to amax = 127 * 2^-22 = 3e-5 (10 binades below SmolLM2's smallest), and fp8
-loses nothing there at all: below the smallest scale its own exponent carries the small values.
-
-Quantization (the reference every backend's KV-write matches bit for bit): ``a = float32(amax / QMAX)``;
-``code = 0`` if ``a == 0``, ``255`` if ``a`` is inf/NaN, else ``clamp(((bits(a) + 0xFFFFF) >> 20) -
-((127 - SCALE_BIAS) << 3), 1, 254)``; ``q = round_half_even(x / scale)`` clamped to ``[-QMAX, QMAX]``
-for int8, ``fp8(clamp(x / scale))`` for fp8 (the division IEEE-rounded; a zero or NaN scale divides by 1).
+A quantized cache adds one scale byte (an unsigned E5M3 code) to every (token, KV head) row, inside the
+block it scales, so block copies, swaps and prefix reuse carry scales without knowing about them. The
+code is encoded and decoded with integer arithmetic only, so every backend writes and reads the same
+bits; :func:`quantize_rows` here is the reference each backend's KV write matches. The format, its
+reasons and its measurements: ``docs/kv_format.md``.
 """
 
 from __future__ import annotations

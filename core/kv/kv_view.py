@@ -7,12 +7,13 @@ nor depend on how the core stores its state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedkv.core.kv.block_pool import BlockPool
 from pagedkv.core.kv.swap_space import SwapSpace
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
+    from pagedkv.core.sched.scheduler_interface import Scheduler
     from pagedkv.core.sched.sequence import Sequence
 
 
@@ -20,7 +21,7 @@ class KVCacheView:
     def __init__(
         self,
         pool: BlockPool,
-        scheduler: Any,
+        scheduler: Scheduler,
         block_size: int,
         swap_space: SwapSpace | None,
     ) -> None:

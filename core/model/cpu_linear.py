@@ -4,9 +4,7 @@ A decode step multiplies a few dozen rows by every weight matrix of the model, a
 CPU those small-M products are most of the step. torch's ``F.linear`` hands them to MKL
 sgemm on the weight's plain ``[out, in]`` layout; oneDNN with the weight reordered once
 into its own blocked layout (what ``torch.compile``'s CPU freezing and vLLM's CPU backend
-do) is measured 20-35% faster on SmolLM2-135M's layers at 16-64 rows and ~45% faster on
-its 49152 x 576 ``lm_head``, at 1 thread, weights cold in cache as in a step
-(``benchmarks/JOURNAL.md``, the decode-step section of issue 20). It rounds differently
+do) is faster at those sizes (the figures: ``benchmarks/JOURNAL.md``). It rounds differently
 from MKL (both are plain fp32 sums in another order); greedy outputs stay token-identical
 to transformers in the tests.
 

@@ -1,6 +1,6 @@
 """A tokenizer on ``tokenizers`` + ``jinja2`` alone: what start-up and the hot paths call, without transformers.
 
-``from transformers import AutoTokenizer`` costs seconds at start-up (issue 26). For a checkpoint whose
+``from transformers import AutoTokenizer`` costs seconds at start-up. For a checkpoint whose
 ``tokenizer_config.json`` is a plain ``tokenizers`` backend (:data:`_PLAIN_KEYS`, nothing else), this
 class answers natively what pagedkv calls: ``__call__(...)["input_ids"]``, ``decode``,
 ``convert_ids_to_tokens``, ``get_vocab``, ``eos_token_id``, ``chat_template`` and

@@ -1,6 +1,6 @@
 """pagedkv's own Llama: what transformers' ``LlamaForCausalLM`` computes, op for op, without importing it.
 
-Importing and building transformers' model code was most of start-up (issue 26). This module
+Importing and building transformers' model code was most of start-up. This module
 computes the same thing in the same order and dtypes (RMSNorm in float32 then ``weight * x`` in
 the input dtype; float32 rotary ``inv_freq`` / cos / sin cast to the activations' dtype;
 ``rotate_half``; the SiLU-gated MLP; the kept rows before ``lm_head``), so its logits are

@@ -15,13 +15,14 @@ import torch
 
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 from pagedkv.core.kv.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedkv.core.kv.swap_space import SwapSpace
 from pagedkv.core.model.cpu_linear import HasLinearKernel, pack_linears, packed_copies_fit, packed_linears
 from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, register_attention
 from pagedkv.core.model.llama_model import HasLlamaLayerKernel
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_support import check_model_support
 from pagedkv.core.sample.logprobs import prompt_logprob_span
-from pagedkv.core.sched.scheduler import SchedulerOutput
+from pagedkv.core.sched.scheduler_output import SchedulerOutput
 from pagedkv.core.startup_phases import phase
 
 
@@ -43,8 +44,8 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str, swap_space: Any = None,
-        check_support: bool = True,
+        self, model: Any, backend: Any, spec: KVCacheSpec, num_blocks: int, device: str,
+        swap_space: SwapSpace | None = None, check_support: bool = True,
     ) -> None:
         if check_support:  # refuse what the engine would run wrongly, before anything (a sharded model: checked whole)
             with phase("model support checked"):

@@ -1,6 +1,6 @@
 """Which checkpoints pagedkv's own Llama (``llama_model``) runs: a strict whitelist over ``config.json``.
 
-transformers' model code costs seconds to import and to build (issue 26: the floor of start-up). A
+transformers' model code costs seconds to import and to build: most of the start-up's floor. A
 checkpoint whose ``config.json`` describes exactly what :mod:`pagedkv.core.model.llama_model` computes
 loads without it; anything else, including any key this module does not know (it could change the
 math), goes to transformers as before, and :func:`native_problem` says why in one phrase.

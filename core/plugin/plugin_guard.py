@@ -19,12 +19,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from pagedkv.core.errors import ConfigError, PagedKVError
 from pagedkv.core.plugin.plugin_manager import DISABLE_ENV, mark_requested, plugin_label, was_requested
+
+if TYPE_CHECKING:  # type hints only
+    from pagedkv.core.config import EngineConfig
 
 log = logging.getLogger("pagedkv")
 
@@ -48,6 +51,21 @@ def disable(pm: pluggy.PluginManager, plugin: Any, hook_name: str, exc: BaseExce
               name, hook_name, type(exc).__name__, exc, DISABLE_ENV, env_name)
     if pm.is_registered(plugin):
         pm.unregister(plugin)
+
+
+class Decision:
+    """A ``firstresult`` hook as a plain callable of keyword arguments: the first non-None answer, or
+    None; a plugin that raises becomes a :class:`PluginFault` (the caller fails the request it serves)."""
+
+    def __init__(self, pm: pluggy.PluginManager, hook_name: str) -> None:
+        self.hook = getattr(pm.hook, hook_name)
+        self.name = hook_name
+
+    def __bool__(self) -> bool:
+        return bool(self.hook.get_hookimpls())
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return call_decision(self.hook, **kwargs)
 
 
 class Observers:
@@ -133,7 +151,7 @@ def startup_fault(pm: pluggy.PluginManager, plugin: Any, hook_name: str, exc: Ba
     disable(pm, plugin, hook_name, exc)
 
 
-def configure_plugins(pm: pluggy.PluginManager, config: Any) -> None:
+def configure_plugins(pm: pluggy.PluginManager, config: EngineConfig) -> None:
     """``pagedkv_configure``, one plugin at a time. What a plugin registers here, the config switched on:
     it counts as asked for. A plugin that raises takes what it registered with it."""
     for impl in reversed(pm.hook.pagedkv_configure.get_hookimpls()):

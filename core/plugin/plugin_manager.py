@@ -12,14 +12,26 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
 from pagedkv.core import hookspecs
 from pagedkv.core.errors import ConfigError
 
+if TYPE_CHECKING:  # type hints only
+    from pagedkv.core.config import EngineConfig
+
 log = logging.getLogger("pagedkv")
+
+
+FaultHandler = Callable[[pluggy.PluginManager, object, str, Exception], None]  # (pm, plugin, hook name, error)
+
+
+class Register(Protocol):
+    """What a registrar hook is given: ``register(name, factory, description)`` adds one component."""
+
+    def __call__(self, name: str, factory: Callable[..., Any], description: str = "") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ def _names_from_env(var: str) -> list[str] | None:
     return [name.strip() for name in raw.split(",") if name.strip()]
 
 
-def make_plugin_manager(extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManager:
+def make_plugin_manager(extra_plugins: Iterable[object] = ()) -> pluggy.PluginManager:
     """A manager with the hook specs, every entry-point plugin, and ``extra_plugins``.
 
     ``PAGEDKV_PLUGINS=a,b`` loads only these third-party plugins (empty: none;
@@ -239,7 +251,7 @@ def build_registry(
     pm: pluggy.PluginManager,
     kind: str,
     hook_name: str,
-    on_fault: Callable[[pluggy.PluginManager, Any, str, Exception], None] | None = None,
+    on_fault: FaultHandler | None = None,
 ) -> Registry:
     """Run one registrar hook over every plugin, remembering which plugin registered what.
 
@@ -264,7 +276,8 @@ def has_impls(pm: pluggy.PluginManager, hook_name: str) -> bool:
     return bool(getattr(pm.hook, hook_name).get_hookimpls())
 
 
-def chosen_components(pm: pluggy.PluginManager, config: Any, on_fault: Any = None) -> tuple[Any, Any, Any]:
+def chosen_components(pm: pluggy.PluginManager, config: EngineConfig,
+                      on_fault: FaultHandler | None = None) -> tuple[Entry, Entry, Entry]:
     """The registry entries of ``config``'s backend, allocator and scheduler (a bad name fails here, before
     anything is loaded). ``backend="auto"`` becomes the compiled CPU kernel on CPU when registered, else torch."""
     backends, allocators, schedulers = (

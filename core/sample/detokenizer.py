@@ -17,7 +17,10 @@ full decode would show them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # type hints only: this room sits below sched/
+    from pagedkv.core.sched.sequence import Sequence
 
 _REPLACEMENT = "\ufffd"
 
@@ -72,7 +75,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def output_text(seq: Any, tokenizer: Any, final: bool = False, drop_last: bool | None = None) -> str:
+def output_text(seq: Sequence, tokenizer: Any, final: bool = False, drop_last: bool | None = None) -> str:
     """``seq``'s output text so far, decoded incrementally by a detokenizer kept on the sequence.
 
     ``drop_last``: the last token ended the sequence (EOS or a stop token id) and, unless the request
@@ -94,7 +97,7 @@ def output_text(seq: Any, tokenizer: Any, final: bool = False, drop_last: bool |
     return detokenizer.update(ids, final)
 
 
-def ends_by_token(seq: Any) -> bool:
+def ends_by_token(seq: Sequence) -> bool:
     """True when ``seq`` finished on a token (EOS or a stop token id), not a stop string, its length or a
     complete grammar (whose last token is text)."""
     return seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and not seq.grammar_done

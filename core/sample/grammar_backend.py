@@ -12,7 +12,7 @@ where bit ``j`` of word ``i`` set means token ``32 * i + j`` may come next.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -61,7 +61,3 @@ def bitmask_words(vocab_size: int) -> int:
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed packed mask (every bit set)."""
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
-
-
-def is_backend(obj: Any) -> bool:
-    return callable(getattr(obj, "compile", None)) and callable(getattr(obj, "fill_bitmask", None))

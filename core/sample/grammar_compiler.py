@@ -13,7 +13,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.grammar_backend import CompiledGrammar, GrammarBackend, GrammarError
@@ -29,7 +28,7 @@ class GrammarCompiler:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_error: Exception | None = None
-        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -40,7 +39,7 @@ class GrammarCompiler:
         """The backend, once the first compile built it."""
         return self._backend
 
-    def submit(self, constraint: StructuredOutputs) -> Future:
+    def submit(self, constraint: StructuredOutputs) -> Future[CompiledGrammar]:
         """A future of the compiled grammar (done at once when this constraint was compiled before)."""
         key = constraint.key()
         with self._lock:
@@ -81,7 +80,7 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def result_of(future: Future) -> Any:
+def result_of(future: Future[CompiledGrammar]) -> CompiledGrammar:
     """A done (or awaited) compile's grammar; a failed one as :class:`RequestRejected` with its reason."""
     try:
         return future.result()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
-    from pagedkv.core.sched.scheduler import ScheduledSeq
+    from pagedkv.core.sched.scheduler_output import ScheduledSeq
 
 
 

@@ -9,10 +9,11 @@ When nothing else can run the step waits briefly for a compile instead of spinni
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
 
 from pagedkv.core.errors import RequestRejected
+from pagedkv.core.sample.grammar_backend import CompiledGrammar
 from pagedkv.core.sample.grammar_compiler import result_of
+from pagedkv.core.sched.scheduler_interface import Scheduler
 from pagedkv.core.sched.sequence import Sequence, SequenceStatus
 
 IDLE_WAIT_S = 0.05  # at most this long per step when only compiles are pending (new requests get their turn)
@@ -20,7 +21,8 @@ IDLE_WAIT_S = 0.05  # at most this long per step when only compiles are pending 
 
 class GrammarGate:
     def __init__(self) -> None:
-        self._parked: dict[str, tuple[Future, list[Sequence]]] = {}  # request id -> (compile, its sequences)
+        # request id -> (its compile, its sequences)
+        self._parked: dict[str, tuple[Future[CompiledGrammar], list[Sequence]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._parked)
@@ -28,7 +30,7 @@ class GrammarGate:
     def __len__(self) -> int:
         return len(self._parked)
 
-    def park(self, request_id: str, future: Future, seqs: list[Sequence]) -> None:
+    def park(self, request_id: str, future: Future[CompiledGrammar], seqs: list[Sequence]) -> None:
         for seq in seqs:
             seq.status = SequenceStatus.COMPILING
         self._parked[request_id] = (future, seqs)
@@ -37,7 +39,7 @@ class GrammarGate:
         """The request was aborted while compiling."""
         self._parked.pop(request_id, None)
 
-    def release(self, scheduler: Any, idle: bool) -> None:
+    def release(self, scheduler: Scheduler, idle: bool) -> None:
         """Move every request whose compile is done to ``scheduler`` (or fail it); with ``idle`` (nothing
         else to run) first wait a little for one to finish."""
         if not self._parked:

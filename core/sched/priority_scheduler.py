@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import itertools
 from bisect import insort
-from typing import Any
 
+from pagedkv.core.events import EventLog
+from pagedkv.core.kv.allocator_interface import Allocator
+from pagedkv.core.kv.swap_space import SwapSpace
 from pagedkv.core.sched.scheduler import FCFSScheduler
+from pagedkv.core.sched.scheduler_interface import SchedulerHooks, SchedulingLimits
 from pagedkv.core.sched.sequence import Sequence, SequenceStatus
+from pagedkv.core.sched.stop_check import StopCheck
 
 
 def _order(seq: Sequence) -> tuple[int, int]:
@@ -25,8 +29,12 @@ class PriorityScheduler(FCFSScheduler):
     name = "priority"
     uses_priority = True  # the engine accepts a non-zero request priority only with such a scheduler
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, config: SchedulingLimits, allocator: Allocator, events: EventLog | None = None,
+        hooks: SchedulerHooks | None = None, *, stop_check: StopCheck | None = None,
+        swap_space: SwapSpace | None = None,
+    ) -> None:
+        super().__init__(config, allocator, events, hooks, stop_check=stop_check, swap_space=swap_space)
         self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:

@@ -8,11 +8,11 @@ whether an earlier one was forked or how its plugins answered.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pagedkv.core.events import EventLog
+from pagedkv.core.kv.allocator_interface import Allocator
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.core.sched.scheduler_interface import Scheduler
 from pagedkv.core.sched.sequence import Sequence
 from pagedkv.core.stats import RunStats
 
@@ -50,7 +50,7 @@ class RequestGroups:
         self.by_request[request_id] = seqs
         return seqs
 
-    def fork(self, parent: Sequence, computed: int, allocator: Any, scheduler: Any) -> list[Sequence]:
+    def fork(self, parent: Sequence, computed: int, allocator: Allocator, scheduler: Scheduler) -> list[Sequence]:
         """After its prefill, split a parent into its n samples sharing every block and ``computed`` tokens."""
         group = self.by_request[parent.request_id]
         children = []

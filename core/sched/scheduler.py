@@ -20,60 +20,23 @@ import itertools
 import logging
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
 
 from pagedkv.core.events import EventLog
+from pagedkv.core.kv.allocator_interface import Allocator
 from pagedkv.core.kv.swap_space import SwapSpace
-from pagedkv.core.plugin.plugin_guard import PluginFault, call_decision
+from pagedkv.core.plugin.plugin_guard import PluginFault
+from pagedkv.core.sched.scheduler_interface import SchedulerHooks, SchedulingLimits
+from pagedkv.core.sched.scheduler_output import Sample, ScheduledSeq, SchedulerOutput, StepUpdate
 from pagedkv.core.sched.sequence import Sequence, SequenceStatus
 from pagedkv.core.sched.stop_check import StopCheck
 
-Sample = tuple[Sequence, int, "dict[int, float] | None"]  # a drawn token and its logprobs (if asked for)
+__all__ = ["FCFSScheduler", "PreemptionRecord", "Sample", "ScheduledSeq", "SchedulerOutput", "StepUpdate"]
+
 WATERMARK = 0.01  # share of the pool kept free when admitting new requests
 _run_order = attrgetter("run_order")
 log = logging.getLogger("pagedkv.sched")  # --log-level debug: one line per admission, preemption, swap
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    context_len: int  # tokens already cached before this step
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last known token, so a new one is sampled."""
-        return self.context_len + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class StepUpdate:
-    """What :meth:`FCFSScheduler.update_from_output` did, for the engine's outputs and counters."""
-
-    touched: dict[str, None] = field(default_factory=dict)  # request ids that sampled or finished, in order
-    generated: int = 0  # tokens appended
-    prefill_tokens: int = 0  # prompt tokens computed
-    finished: int = 0
 
 
 @dataclass
@@ -84,18 +47,31 @@ class PreemptionRecord:
 
 
 class FCFSScheduler:
+    """The reference :class:`~pagedkv.core.sched.scheduler_interface.Scheduler` (see the module docstring).
+
+    ``stop_check`` is the engine's end-of-sequence rule (the default knows no EOS id and no tokenizer:
+    only lengths and stop token ids end a sequence); ``hooks`` what it calls outside itself;
+    ``swap_space`` where "swap" preemptions park their blocks (a plugin's), or None.
+    """
+
     name = "fcfs"
+    uses_priority = False
 
     def __init__(
-        self, config: Any, allocator: Any, events: EventLog | None = None, hooks: Any = None,
+        self, config: SchedulingLimits, allocator: Allocator, events: EventLog | None = None,
+        hooks: SchedulerHooks | None = None, *, stop_check: StopCheck | None = None,
         swap_space: SwapSpace | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.allocator = allocator
         self.events = events or EventLog()
-        self.hooks = hooks
-        self.swap_space = swap_space  # where "swap" preemptions park their blocks (a plugin's), or None
+        self.stop_check = stop_check or StopCheck()
+        hooks = hooks or SchedulerHooks()
+        self.choose_preemption = hooks.choose_preemption
+        self.on_block_full = hooks.on_block_full
+        self.on_step_peak = hooks.on_step_peak
+        self.swap_space = swap_space
         self.watermark_blocks = int(WATERMARK * allocator.pool.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,16 +80,8 @@ class FCFSScheduler:
         self.tokens_discarded = 0  # by preemptions by recompute, over the whole run
         self.failed: list[Sequence] = []  # finished by a plugin fault; the engine reports them
         self.step_index = 0
-        self.stop_check = StopCheck()  # the engine's (EOS ids, tokenizer for stop strings): see ``connect``
-        self.on_block_full: Callable[..., Any] | None = None  # ``pagedkv_on_block_full`` observers, if any
-        self.on_step_peak: Callable[[], Any] | None = None  # the engine's KV peak probe (see update_from_output)
         self._run_orders = itertools.count()
         self._debug = log.isEnabledFor(logging.DEBUG)
-
-    def connect(self, stop_check: StopCheck, on_block_full: Callable[..., Any] | None) -> None:
-        """The engine's end-of-sequence rule and full-block observers, used by :meth:`update_from_output`."""
-        self.stop_check = stop_check
-        self.on_block_full = on_block_full or None
 
     # --- queue management ---------------------------------------------------------------------
 
@@ -283,30 +251,37 @@ class FCFSScheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap out if a plugin says so and can; otherwise free everything, to be recomputed later."""
-        choice = None
+        choose = self.choose_preemption
         try:
-            if self.hooks is not None:
-                choice = call_decision(self.hooks.pagedkv_choose_preemption, seq=seq, scheduler=self)
+            choice = choose(seq=seq, scheduler=self) if choose is not None else None
         except PluginFault as fault:
             self.fail(seq, fault)  # frees its blocks just as a preemption would
             return
-        if choice == "swap" and self.swap_space is not None:
-            host_blocks = self.swap_space.swap_out(seq)
-            if host_blocks is not None:
-                pairs = list(zip(seq.block_table, host_blocks))
-                for block, host_block in pairs:
-                    self.events.emit("block_swap_out", block=block, cpu_block=host_block, owner=seq.request_id)
-                self.allocator.free(seq)
-                out.swap_out.extend(pairs)
-                seq.status = SequenceStatus.SWAPPED
-                seq.num_preemptions += 1
-                self.swapped.append(seq)
-                out.preempted.append(seq)
-                self.events.emit("request_swap_out", request=seq.request_id, blocks=len(pairs))
-                if self._debug:
-                    log.debug("step %d: preempt %s by swap: %d blocks to CPU", self.step_index, seq.request_id,
-                              len(pairs))
-                return
+        if choice == "swap" and self.swap_space is not None and self._swap_out(seq, out):
+            return
+        self._preempt_by_recompute(seq, out)
+
+    def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Park ``seq``'s blocks in the swap space and free them here; False if they do not fit there."""
+        host_blocks = self.swap_space.swap_out(seq)
+        if host_blocks is None:
+            return False
+        pairs = list(zip(seq.block_table, host_blocks))
+        for block, host_block in pairs:
+            self.events.emit("block_swap_out", block=block, cpu_block=host_block, owner=seq.request_id)
+        self.allocator.free(seq)
+        out.swap_out.extend(pairs)
+        seq.status = SequenceStatus.SWAPPED
+        seq.num_preemptions += 1
+        self.swapped.append(seq)
+        out.preempted.append(seq)
+        self.events.emit("request_swap_out", request=seq.request_id, blocks=len(pairs))
+        if self._debug:
+            log.debug("step %d: preempt %s by swap: %d blocks to CPU", self.step_index, seq.request_id, len(pairs))
+        return True
+
+    def _preempt_by_recompute(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free every block of ``seq`` and queue it again: its computed tokens are recomputed later."""
         discarded = seq.num_computed_tokens
         self.allocator.free(seq)
         seq.num_computed_tokens = 0
@@ -362,7 +337,7 @@ class FCFSScheduler:
     def _take_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, update: StepUpdate) -> None:
         """One sequence's new token: append it, finish the sequence if it ends there (per sequence, so
         a failure ends its request alone; a row the sampler could not draw never arrives here: the engine
-        fails it after this update, see its ``_draw``)."""
+        fails it after this update, see :meth:`~pagedkv.core.step_sampling.StepSampling.draw`)."""
         seq.append_token(token, logprobs)
         update.generated += 1
         self._finish_if_done(seq, token, update)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.kv.block_table import BlockTable
-from pagedkv.core.sample.detokenizer import output_text
+from pagedkv.core.sample.detokenizer import IncrementalDetokenizer, output_text
+from pagedkv.core.sample.grammar_backend import GrammarMatcher
 from pagedkv.core.sample.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -50,13 +51,15 @@ class Sequence:
     error: str | None = None  # why the request failed (finish reason "error")
     run_order: int = 0  # stamped by the scheduler each time it starts running: the running queue's order
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process, unlike id()
-    detokenizer: Any = field(default=None, repr=False)  # its output text, decoded a few tokens at a time
+    # its output text, decoded a few tokens at a time
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token (logprobs set)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
     priority: int = 0  # lower runs first under the priority scheduler (vLLM's meaning)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
-    matcher: Any = field(default=None, repr=False)  # its grammar's state (structured outputs), fed every token
+    # its grammar's state (structured outputs), fed every token
+    matcher: GrammarMatcher | None = field(default=None, repr=False)
     grammar_done: bool = False  # finished because its grammar was complete: the last token is text, not EOS
 
     @classmethod
