@@ -28,8 +28,8 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from bench_common import facts
 
-from conftest import facts
 from pagedkv.core.kv.allocator import PagedAllocator
 from pagedkv.core.kv.block_pool import BlockPool
 from pagedkv.core.sample.sampling_params import SamplingParams

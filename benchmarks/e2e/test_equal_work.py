@@ -19,8 +19,7 @@ import time
 
 import pytest
 import torch
-
-from conftest import ContentionMonitor, facts
+from bench_common import ContentionMonitor, facts
 
 NEW_TOKENS = 32
 CASES = [(64, 256), (8, 2048)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
 
 def main() -> int:
@@ -25,13 +25,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from bench_common import model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from workload import build_workload
 
     from pagedkv import LLM, SamplingParams
-    from pagedkv.core.model.model_loader import resolve_model_dir
 
-    path = resolve_model_dir(None)
+    path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     work = build_workload(tokenizer, num_requests=32)
     llms = {}

@@ -28,8 +28,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_common import facts
 
-from conftest import facts
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import gather_kv
 from pagedkv.core.kv.attention_metadata import AttentionMetadata

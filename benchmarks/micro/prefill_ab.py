@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from linear_ab import compile_tree
-from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+
+from linear_ab import compile_tree  # noqa: E402  (beside this file)
+from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache  # noqa: E402
 
 from pagedkv.backends.cpu import CpuBackend, build
 from pagedkv.backends.cpu.route_table import TORCH, Routes

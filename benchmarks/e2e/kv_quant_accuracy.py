@@ -36,7 +36,7 @@ from pagedkv.core.config import parse_kv_cache_dtype
 from pagedkv.core.kv.kv_cache import KVCacheSpec
 from pagedkv.core.model.model_runner import ModelRunner, StepBatch
 
-TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "kv_quant_text.txt"
 DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 BLOCK = 16
 

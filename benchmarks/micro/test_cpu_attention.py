@@ -21,9 +21,8 @@ import time
 
 import pytest
 import torch
+from bench_common import facts
 from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
-
-from conftest import facts
 
 BATCH = 64
 ROUNDS = int(os.environ.get("PAGEDKV_CPU_ATTN_ROUNDS", "7"))

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the gpu package
 
 from gpu.bootstrap import bootstrap  # noqa: E402
 from gpu.rows import read_rows  # noqa: E402

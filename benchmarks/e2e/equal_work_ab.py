@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
 
 def main() -> int:
@@ -35,28 +35,22 @@ def main() -> int:
     torch.set_num_threads(1)
     import test_equal_work as ew
     import transformers.integrations.sdpa_attention as sdpa_module
+    from bench_common import ContentionMonitor, Timers, load_hf_model, model_dir
     from transformers import AutoTokenizer
 
-    from conftest import ContentionMonitor, _load
     from pagedkv import LLM
     from pagedkv.backends.cpu.build import _bind
-    from pagedkv.core.model.model_loader import resolve_model_dir
 
-    model_dir = resolve_model_dir(None)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.eos_token_id
-    hf, paged = _load(model_dir), _load(model_dir)
+    hf, paged = load_hf_model(path), load_hf_model(path)
     prompts = ew.prompts_of(args.batch, args.prompt_len, hf.config.vocab_size)
-    attention = collections.Counter()
+    timers = Timers()  # this thread's CPU seconds inside attention (SDPA and the engines' backends) as "s"
+    attention = timers.cpu
 
     def timed(fn):
-        def run(*a, **k):
-            started = time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                attention["s"] += time.thread_time() - started
-        return run
+        return timers.timed(fn, "s")
 
     sdpa_module.torch.nn.functional.scaled_dot_product_attention = timed(
         torch.nn.functional.scaled_dot_product_attention)
@@ -80,7 +74,7 @@ def main() -> int:
     reference = None
     for r in range(args.rounds):
         for name, run in systems.items():
-            attention.clear()
+            timers.reset()
             with ContentionMonitor() as c:
                 wall, cpu = time.perf_counter(), time.process_time()
                 got = run(prompts)
