@@ -1,6 +1,6 @@
 """The 32-request chat workload (benchmarks/workload.py) through pagedkv with each CPU attention backend.
 
-Run: ``.venv/bin/python benchmarks/chat_backends.py [--threads N] [--backends torch,cpu]``. Both backends run
+Run: ``.venv/bin/python benchmarks/e2e/chat_backends.py [--threads N] [--backends torch,cpu]``. Both backends run
 in one process, alternating, twice each; the report gives output tokens/s per run and checks that every
 backend produced the same greedy tokens.
 """

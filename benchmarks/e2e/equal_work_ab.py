@@ -1,7 +1,7 @@
 """Equal work (issue 20) in one process: transformers ``generate`` against pagedkv ``cpu``, optionally also with an
 older build of the kernel, interleaved, with the time spent inside attention.
 
-Run: ``.venv/bin/python benchmarks/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]
+Run: ``.venv/bin/python benchmarks/e2e/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]
 [--torch]``.
 An old library is built from an earlier commit's source, e.g. ``git show REV:backends/cpu/attention.cpp >
 /tmp/old.cpp && g++ -O3 -march=native -fopenmp -fPIC -shared -std=c++17 /tmp/old.cpp -o /tmp/old.so`` (copy any

@@ -12,7 +12,7 @@ For each model and KV dtype, on prompts cut from a fixed local text (``data/kv_q
 Every forward pass is the engine's own (``ModelRunner`` on a paged cache of that dtype, torch backend), so
 keys and values always come from the cache. Usage (small enough for a shared 2-core machine):
 
-    .venv/bin/python benchmarks/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
+    .venv/bin/python benchmarks/e2e/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
         [--kv-dtypes auto,int8] [--scale-format bf16]   # the former 2-byte scale, on the same prompts
 """
 

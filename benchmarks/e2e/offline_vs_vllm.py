@@ -1,7 +1,7 @@
 """Offline batch generation, pagedkv's ``LLM.generate`` against vLLM CPU's ``LLM.generate``, on the same token ids.
 
-    .venv/bin/python benchmarks/offline_vs_vllm.py                          # 64 prompts x 128 tokens, 2 rounds
-    .venv/bin/python benchmarks/offline_vs_vllm.py --prompts 32 --prompt-len 256 --tokens 64 --rounds 3
+    .venv/bin/python benchmarks/e2e/offline_vs_vllm.py                          # 64 prompts x 128 tokens, 2 rounds
+    .venv/bin/python benchmarks/e2e/offline_vs_vllm.py --prompts 32 --prompt-len 256 --tokens 64 --rounds 3
 
 Both engines get the same prompts as token ids (drawn from SmolLM2's vocabulary with a fixed seed), greedy,
 fp32, ``ignore_eos`` so every engine does the same work, and the same thread count. Each run is a fresh process

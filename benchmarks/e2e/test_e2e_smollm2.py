@@ -5,7 +5,7 @@ One workload (see ``workload.py``): 32 chat prompts, output lengths 8..128 drawn
 fixed seed, greedy, EOS ignored. Throughput = useful generated tokens / wall time.
 Ratios are taken against the baselines measured earlier in the same session.
 
-Run: ``python -m pytest benchmarks/test_e2e_smollm2.py --benchmark-only -s``
+Run: ``python -m pytest benchmarks/e2e/test_e2e_smollm2.py --benchmark-only -s``
 (``-k "not profile"`` skips the profile; ``-k sweep`` runs only the concurrency sweep: 1, 8, 32 and
 128 requests through all three systems, then writes ``plots/tokens_per_s_vs_concurrency.png``).
 """

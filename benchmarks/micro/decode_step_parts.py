@@ -1,6 +1,6 @@
 """Where a SmolLM2-135M decode step goes, part by part, with each part's own compute floor (issue 20).
 
-Run: ``python benchmarks/decode_step_parts.py [--batch 64] [--rounds 6] [--threads 1]``.
+Run: ``python benchmarks/micro/decode_step_parts.py [--batch 64] [--rounds 6] [--threads 1]``.
 
 Same setup as ``test_roofline.py`` (``decode_engine``: B sequences with 256 cached tokens each, fp32,
 the default backend), and in one process, alternating step by step, the linear layers run two ways:

@@ -9,7 +9,7 @@ measures the neighbours) and by the wall clock. The load average is printed befo
 needs a quiet machine. Also the torch reference on the int8 cache (dequantize in the gather), the path every
 other 8-bit case takes.
 
-    .venv/bin/python benchmarks/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 7 --no-reference
+    .venv/bin/python benchmarks/micro/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 7 --no-reference
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """One SmolLM2-135M layer's prefill attention through the cpu kernel (``prefill.h``), this tree against another
 tree's kernel and torch's flash SDPA, alternating round by round in one process.
 
-    .venv/bin/python benchmarks/prefill_ab.py
+    .venv/bin/python benchmarks/micro/prefill_ab.py
     git worktree add /tmp/ref HEAD~1
-    .venv/bin/python benchmarks/prefill_ab.py --ref /tmp/ref --rounds 12
+    .venv/bin/python benchmarks/micro/prefill_ab.py --ref /tmp/ref --rounds 12
 
 Cases: one 2,048-token prompt and eight 256-token prompts (9 query heads, 3 KV heads, head dim 64, fp32,
 block size 16, block tables shuffled over the pool), the whole prompt in one step, causal. The kernels are

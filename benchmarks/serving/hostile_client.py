@@ -1,7 +1,7 @@
 """A bounded hostile-client run against ``engine serve``: does a well-behaved client notice the attack?
 
-    python benchmarks/hostile_client.py                 # tiny random Llama with SmolLM2's tokenizer
-    python benchmarks/hostile_client.py --seconds 8 --json out.json
+    python benchmarks/serving/hostile_client.py                 # tiny random Llama with SmolLM2's tokenizer
+    python benchmarks/serving/hostile_client.py --seconds 8 --json out.json
 
 It starts one server (under ``ulimit -n 256``, the default limits of ``engine serve``),
 then runs a quiet phase and one phase per attack. In every phase a well-behaved client

@@ -1,8 +1,8 @@
 """pagedkv against the engines a CPU user would otherwise pick, one server at a time, in one run.
 
-    .venv/bin/python benchmarks/peers_bench.py                      # 32 chats at once, 2 rounds
-    .venv/bin/python benchmarks/peers_bench.py --num-requests 32 --num-requests 128 --rounds 3
-    .venv/bin/python benchmarks/peers_bench.py --peers vllm,llamacpp --pagedkv auto,torch
+    .venv/bin/python benchmarks/serving/peers_bench.py                      # 32 chats at once, 2 rounds
+    .venv/bin/python benchmarks/serving/peers_bench.py --num-requests 32 --num-requests 128 --rounds 3
+    .venv/bin/python benchmarks/serving/peers_bench.py --peers vllm,llamacpp --pagedkv auto,torch
 
 Each installed peer is started with its recipe in ``$PEERS_DIR`` (default ``/work/shared/peers``, see its
 README; the peers themselves live in ``$PEERS``, default ``/tmp/peers``), measured with the streamed-chat
