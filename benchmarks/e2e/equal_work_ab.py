@@ -48,23 +48,19 @@ def main() -> int:
     prompts = ew.prompts_of(args.batch, args.prompt_len, hf.config.vocab_size)
     timers = Timers()  # this thread's CPU seconds inside attention (SDPA and the engines' backends) as "s"
     attention = timers.cpu
-
-    def timed(fn):
-        return timers.timed(fn, "s")
-
-    sdpa_module.torch.nn.functional.scaled_dot_product_attention = timed(
-        torch.nn.functional.scaled_dot_product_attention)
+    sdpa_module.torch.nn.functional.scaled_dot_product_attention = timers.timed(
+        torch.nn.functional.scaled_dot_product_attention, "s")
     systems = {"generate": lambda ps: ew.run_generate(hf, ps, pad_id)}
     libs = {"new": None, **({"old": _bind(ctypes.CDLL(args.old_lib))} if args.old_lib else {})}
     for name, lib in libs.items():
         llm = LLM(hf_model=paged, tokenizer=tokenizer, device="cpu", backend="cpu")
         if lib is not None:
             llm.engine.backend.lib = lib
-        llm.engine.backend.attend = timed(llm.engine.backend.attend)
+        llm.engine.backend.attend = timers.timed(llm.engine.backend.attend, "s")
         systems[name] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
     if args.torch:
         llm = LLM(hf_model=paged, tokenizer=tokenizer, device="cpu", backend="torch")
-        llm.engine.backend.attend = timed(llm.engine.backend.attend)
+        llm.engine.backend.attend = timers.timed(llm.engine.backend.attend, "s")
         systems["torch"] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
     for run in systems.values():
         run(prompts[:2])  # warm-up: lazy initialisation and the kernel build are not timed
