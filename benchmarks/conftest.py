@@ -1,5 +1,7 @@
-"""Fixtures for the end-to-end benchmarks: SmolLM2 loaded once (fp32, CPU), the seeded
-workload, machine facts, and a CPU-contention monitor.
+"""Fixtures of the pytest-benchmark suites (``micro/``, ``e2e/``): SmolLM2 loaded once (fp32, CPU), the
+seeded workload, and the end-to-end report. Plain helpers (timing, machine facts, the contention monitor)
+are in ``bench_common.py`` beside this file; pytest puts this folder on ``sys.path`` when it loads this
+conftest, so the suites import them as ``from bench_common import ...``.
 
 These suites run only with ``python -m pytest benchmarks --benchmark-only -s``; the
 normal test run (``testpaths = tests``, ``--benchmark-skip``) never collects them.
@@ -7,14 +9,8 @@ normal test run (``testpaths = tests``, ``--benchmark-skip``) never collects the
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import time
-from dataclasses import dataclass, field
-
 import pytest
-import torch
+from bench_common import Report, load_hf_model, machine_info
 
 
 @pytest.fixture(scope="session")
@@ -28,14 +24,6 @@ def smollm2_dir():
     return resolve_model_dir(None)
 
 
-def _load(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model
-
-
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
@@ -46,13 +34,13 @@ def tokenizer(smollm2_dir):
 @pytest.fixture(scope="session")
 def hf_model(smollm2_dir):
     """The instance transformers' own paths use (``generate``, ``generate_batch``): SDPA attention."""
-    return _load(smollm2_dir)
+    return load_hf_model(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def paged_model(smollm2_dir):
     """A separate instance for pagedkv (its engine switches the attention to ``pagedkv``)."""
-    return _load(smollm2_dir)
+    return load_hf_model(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
@@ -60,149 +48,6 @@ def workload(tokenizer):
     from workload import build_workload
 
     return build_workload(tokenizer, num_requests=32)
-
-
-# --- the machine ----------------------------------------------------------------------------------
-
-
-def facts(extra: str = "") -> str:
-    """One line to print beside a result: when, on what machine, under what load (plus ``extra``)."""
-    info = machine_info()
-    load = os.getloadavg()
-    line = (
-        f"{info['date']}; nproc {info['nproc']}; {info['cpu']}; RAM {info['ram_gib']} GiB; torch {info['torch']}; "
-        f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
-    return f"{line}; {extra}" if extra else line
-
-
-def machine_info() -> dict:
-    import transformers
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            mem_kb = int(f.readline().split()[1])
-    except OSError:
-        mem_kb = 0
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "ram_gib": round(mem_kb / 2**20, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-
-
-def _cpu_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine since boot (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def running_processes() -> list[str]:
-    """Other processes in state R right now (a snapshot; ours excluded)."""
-    try:
-        out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    found = []
-    for line in out.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) == 3 and parts[0].startswith("R") and int(parts[1]) != os.getpid() and "ps -eo" not in parts[2]:
-            found.append(f"{parts[1]} {parts[2][:80]}")
-    return found
-
-
-@dataclass
-class Contention:
-    """How busy the machine was while we measured: load averages, and CPU time other
-    processes used during the interval (machine busy time minus ours)."""
-
-    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    wall_s: float = 0.0
-    ours_cpu_s: float = 0.0
-    others_cpu_s: float = 0.0
-    others_share: float = 0.0  # of all cores over the interval
-    running_before: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return {
-            "loadavg_before": self.load_before,
-            "loadavg_after": self.load_after,
-            "others_cpu_s": round(self.others_cpu_s, 2),
-            "others_share_of_machine": round(self.others_share, 3),
-            "our_cpu_s": round(self.ours_cpu_s, 2),
-            "other_running_processes_at_start": self.running_before,
-        }
-
-
-class ContentionMonitor:
-    def __enter__(self) -> Contention:
-        self.c = Contention(load_before=os.getloadavg(), running_before=running_processes())
-        self._busy, self._ours, self._wall = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
-        return self.c
-
-    def __exit__(self, *exc) -> None:
-        c = self.c
-        c.wall_s = time.perf_counter() - self._wall
-        c.ours_cpu_s = time.process_time() - self._ours
-        busy = _cpu_busy_seconds() - self._busy
-        c.others_cpu_s = max(0.0, busy - c.ours_cpu_s)
-        c.others_share = c.others_cpu_s / (c.wall_s * (os.cpu_count() or 1)) if c.wall_s > 0 else 0.0
-        c.load_after = os.getloadavg()
-
-
-# --- the shared report ------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    system: str
-    requests: int
-    useful_tokens: int
-    raw_tokens: int
-    wall_s: float
-    contention: Contention
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.useful_tokens / self.wall_s
-
-
-class Report:
-    def __init__(self) -> None:
-        self.rows: dict[str, Row] = {}
-        self.notes: list[str] = []
-
-    def add(self, row: Row) -> None:
-        self.rows[row.system] = row
-
-    def table(self) -> str:
-        head = (
-            f"{'system':<34} {'reqs':>4} {'useful tok':>10} {'raw tok':>8} {'wall s':>7} {'useful tok/s':>12} "
-            f"{'load1 before':>12} {'others %cpu':>11}"
-        )
-        lines = [head, "-" * len(head)]
-        for r in self.rows.values():
-            lines.append(
-                f"{r.system:<34} {r.requests:>4} {r.useful_tokens:>10} {r.raw_tokens:>8} {r.wall_s:>7.2f} "
-                f"{r.tokens_per_s:>12.1f} {r.contention.load_before[0]:>12.2f} "
-                f"{100 * r.contention.others_share:>10.1f}%"
-            )
-        return "\n".join(lines + self.notes)
 
 
 @pytest.fixture(scope="session")

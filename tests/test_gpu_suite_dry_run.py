@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py on the CPU: the dry run exercises the test runner, the kernel timings and the
+"""benchmarks/gpu/gpu_suite.py on the CPU: the dry run exercises the test runner, the kernel timings and the
 end-to-end comparison with transformers through the same code paths as the GPU run, with tiny shapes."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+SUITE = BENCH / "gpu" / "gpu_suite.py"
 TOOL_OUTPUT_TAIL = 12_000  # the device tool returns only this many trailing characters of output
 
 
@@ -125,7 +126,7 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
 
 def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_installed(tmp_path: Path) -> None:
     # python -S: no site-packages, so nothing is installed, as on a GPU image where `pip install -e .` failed
-    repo = SUITE.parent.parent
+    repo = BENCH.parent
     code = (
         "import sys, json, importlib.metadata, importlib.util; sys.path.insert(0, sys.argv[1]);"
         "from gpu.bootstrap import bootstrap; from pathlib import Path;"
@@ -133,7 +134,7 @@ def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_insta
         "print(importlib.util.find_spec('pagedkv.core').submodule_search_locations[0]);"
         "print(json.dumps([ep.name for ep in importlib.metadata.entry_points(group='pagedkv')]))"
     )
-    res = subprocess.run([sys.executable, "-S", "-c", code, str(SUITE.parent), str(repo)], capture_output=True,
+    res = subprocess.run([sys.executable, "-S", "-c", code, str(BENCH), str(repo)], capture_output=True,
                          text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr
     used_shim, core_dir, names = res.stdout.splitlines()
@@ -145,18 +146,18 @@ def test_shim_makes_the_checkout_importable_with_its_entry_points_when_not_insta
 def test_pyproject_license_is_the_table_form_older_setuptools_reads() -> None:
     # a bare SPDX string (license = "Apache-2.0") fails metadata generation on setuptools < 77 (checked on 68)
     tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads((SUITE.parent.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((BENCH.parent / "pyproject.toml").read_text())["project"]
     assert project["license"] == {"text": "Apache-2.0"}
     assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
 
 
 def test_a_full_gpu_sized_report_keeps_the_goals_within_the_tool_output(tmp_path: Path) -> None:
-    sys.path.insert(0, str(SUITE.parent))
+    sys.path.insert(0, str(BENCH))
     try:
         from gpu.kernels import plan_points
         from gpu.output import final_text, write_outputs
     finally:
-        sys.path.remove(str(SUITE.parent))
+        sys.path.remove(str(BENCH))
     rows: list[dict] = [{"kind": "env", "gpu": "H200"}, {"kind": "copy", "gbps": 4000.0}]
     for backend in ("sdpa", "sdpa_flash", "torch", "triton", "cupy"):
         for p in plan_points(dry_run=False, extras=True):

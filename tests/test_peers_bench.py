@@ -1,4 +1,4 @@
-"""benchmarks/peers_bench.py without any server: peers that are not installed are skipped with the reason,
+"""benchmarks/serving/peers_bench.py without any server: peers that are not installed are skipped with the reason,
 and the table's ratio column is against vLLM CPU measured in the same run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "serving"
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def load_soak():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e" / "soak.py"
     spec = importlib.util.spec_from_file_location("pagedkv_soak", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""Start-up phases: one debug line each, in the format benchmarks/startup.py reads, from a real engine build."""
+"""Start-up phases: one debug line each, in the format benchmarks/e2e/startup.py reads, from a real engine build."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("startup_bench", ROOT / "benchmarks" / "startup.py")
+    spec = importlib.util.spec_from_file_location("startup_bench", ROOT / "benchmarks" / "e2e" / "startup.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,1 +1,1 @@
-"""Parts of ``benchmarks/gpu_suite.py``: the one-shot GPU check (see that script's docstring)."""
+"""Parts of ``benchmarks/gpu/gpu_suite.py``: the one-shot GPU check (see that script's docstring)."""

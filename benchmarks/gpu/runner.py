@@ -19,7 +19,7 @@ from typing import Any
 from gpu.rows import read_rows
 
 REPO = Path(__file__).resolve().parent.parent.parent
-SUITE = REPO / "benchmarks" / "gpu_suite.py"
+SUITE = REPO / "benchmarks" / "gpu" / "gpu_suite.py"
 LOG_TAIL = 60_000
 
 

@@ -5,7 +5,7 @@ One workload (see ``workload.py``): 32 chat prompts, output lengths 8..128 drawn
 fixed seed, greedy, EOS ignored. Throughput = useful generated tokens / wall time.
 Ratios are taken against the baselines measured earlier in the same session.
 
-Run: ``python -m pytest benchmarks/test_e2e_smollm2.py --benchmark-only -s``
+Run: ``python -m pytest benchmarks/e2e/test_e2e_smollm2.py --benchmark-only -s``
 (``-k "not profile"`` skips the profile; ``-k sweep`` runs only the concurrency sweep: 1, 8, 32 and
 128 requests through all three systems, then writes ``plots/tokens_per_s_vs_concurrency.png``).
 """
@@ -15,13 +15,11 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-from conftest import ContentionMonitor, Row, machine_info
+from bench_common import PLOTS, ContentionMonitor, Row, Timers, machine_info
 
 GENERATE_BATCH_SIZES = (8, 32)
 
@@ -274,7 +272,7 @@ _SWEEP_LABELS = {
     "generate_batch": "hf generate_batch (paged CB)",
     "pagedkv": "pagedkv (default backend, bs16)",
 }
-PLOT_PATH = Path(__file__).parent / "plots" / "tokens_per_s_vs_concurrency.png"
+PLOT_PATH = PLOTS / "tokens_per_s_vs_concurrency.png"
 
 
 @pytest.fixture(scope="module")
@@ -375,46 +373,30 @@ def test_sweep(benchmark, e2e_report, sweep_rows, warm, hf_model, paged_model, t
 # --- where pagedkv's step time goes ----------------------------------------------------------------------------
 
 
-class _Timers:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def wrap(self, obj: Any, attr: str, name: str) -> None:
-        original = getattr(obj, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            with torch.profiler.record_function(f"pagedkv::{name}"):
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self.seconds[name] += time.perf_counter() - started
-                    self.calls[name] += 1
-
-        setattr(obj, attr, timed)
-
-
-def instrument(llm: Any) -> _Timers:
+def instrument(llm: Any) -> Timers:
     """Wrap the engine's parts (instance attributes only; the classes are untouched)."""
-    timers = _Timers()
+    timers = Timers()
     e = llm.engine
-    timers.wrap(e, "step", "step")
-    timers.wrap(e.scheduler, "schedule", "schedule")
-    timers.wrap(e.runner, "execute", "execute")
-    timers.wrap(e.runner, "build_metadata", "metadata")
-    timers.wrap(e.runner.model, "forward", "forward")
-    timers.wrap(e.backend, "write_kv", "write_kv")
-    timers.wrap(e.backend, "attend", "attend")
-    timers.wrap(e.scheduler, "update_from_output", "update")
-    timers.wrap(e.sampler, "sample", "sample")
-    timers.wrap(e, "_observe", "observe")
-    timers.wrap(e.outputs, "emit", "make_output")
+    parts = (
+        (e, "step", "step"),
+        (e.scheduler, "schedule", "schedule"),
+        (e.runner, "execute", "execute"),
+        (e.runner, "build_metadata", "metadata"),
+        (e.runner.model, "forward", "forward"),
+        (e.backend, "write_kv", "write_kv"),
+        (e.backend, "attend", "attend"),
+        (e.scheduler, "update_from_output", "update"),
+        (e.sampler, "sample", "sample"),
+        (e, "_observe", "observe"),
+        (e.outputs, "emit", "make_output"),
+    )
+    for obj, attr, name in parts:
+        timers.patch(obj, attr, name, record=f"pagedkv::{name}")
     return timers
 
 
-def breakdown(timers: _Timers, total: float) -> list[tuple[str, float]]:
-    s = timers.seconds
+def breakdown(timers: Timers, total: float) -> list[tuple[str, float]]:
+    s = timers.wall
     parts = [
         ("scheduling (scheduler.schedule)", s["schedule"]),
         ("metadata (runner.build_metadata)", s["metadata"]),

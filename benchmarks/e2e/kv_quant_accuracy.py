@@ -12,7 +12,7 @@ For each model and KV dtype, on prompts cut from a fixed local text (``data/kv_q
 Every forward pass is the engine's own (``ModelRunner`` on a paged cache of that dtype, torch backend), so
 keys and values always come from the cache. Usage (small enough for a shared 2-core machine):
 
-    .venv/bin/python benchmarks/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
+    .venv/bin/python benchmarks/e2e/kv_quant_accuracy.py --prompts 16 --tokens 64 [--models smollm2,tiny] [--json]
         [--kv-dtypes auto,int8] [--scale-format bf16]   # the former 2-byte scale, on the same prompts
 """
 
@@ -30,13 +30,17 @@ from typing import Any
 
 import torch
 
-from pagedkv import Engine, EngineConfig, SamplingParams
-from pagedkv.backends.torch_ref import TorchBackend
-from pagedkv.core.config import parse_kv_cache_dtype
-from pagedkv.core.kv.kv_cache import KVCacheSpec
-from pagedkv.core.model.model_runner import ModelRunner, StepBatch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
-TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
+from bench_common import DATA, model_dir  # noqa: E402
+
+from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pagedkv.backends.torch_ref import TorchBackend  # noqa: E402
+from pagedkv.core.config import parse_kv_cache_dtype  # noqa: E402
+from pagedkv.core.kv.kv_cache import KVCacheSpec  # noqa: E402
+from pagedkv.core.model.model_runner import ModelRunner, StepBatch  # noqa: E402
+
+TEXT = DATA / "kv_quant_text.txt"
 DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 BLOCK = 16
 
@@ -46,9 +50,7 @@ def load(name: str) -> tuple[Any, Any]:
     its prompts are the text's SmolLM2 token ids folded into its vocabulary)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedkv.core.model.model_loader import resolve_model_dir
-
-    directory = resolve_model_dir(None)
+    directory = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if name == "smollm2":
         return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), tokenizer

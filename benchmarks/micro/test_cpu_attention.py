@@ -1,6 +1,6 @@
 """Issue 20: decode attention of the ``cpu`` backend against its memory floor, beside the torch reference.
 
-Run: ``python -m pytest benchmarks/test_cpu_attention.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_cpu_attention.py --benchmark-only -q -s``.
 
 One layer of SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64, fp32, block size 16) at
 batch 64, contexts 256 and 2048, one decode token per sequence, block tables shuffled over the pool.
@@ -21,9 +21,8 @@ import time
 
 import pytest
 import torch
+from bench_common import facts
 from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
-
-from conftest import facts
 
 BATCH = 64
 ROUNDS = int(os.environ.get("PAGEDKV_CPU_ATTN_ROUNDS", "7"))

@@ -9,18 +9,22 @@ measures the neighbours) and by the wall clock. The load average is printed befo
 needs a quiet machine. Also the torch reference on the int8 cache (dequantize in the gather), the path every
 other 8-bit case takes.
 
-    .venv/bin/python benchmarks/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 7 --no-reference
+    .venv/bin/python benchmarks/micro/kv_quant_decode.py --ctx 2048 --batch 64 --rounds 7 --no-reference
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
-from paged_case import BLOCK, HEAD_DIM, HEADS, random_paged_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+
+from bench_common import interleaved_medians  # noqa: E402
+from paged_case import BLOCK, HEAD_DIM, HEADS, random_paged_cache  # noqa: E402
 
 from pagedkv.backends.cpu.backend import CpuBackend
 from pagedkv.backends.torch_ref import TorchBackend
@@ -34,21 +38,6 @@ def case(ctx: int, batch: int, seed: int = 0):
     meta = AttentionMetadata.build(block_tables=tables.tolist(), context_lens=[ctx - 1] * batch,
                                    query_lens=[1] * batch, block_size=BLOCK)
     return torch.randn(batch, HEADS, HEAD_DIM, generator=gen), k, v, meta
-
-
-def timed(rows: dict, rounds: int) -> dict[str, tuple[float, float]]:
-    """Median CPU and wall seconds per call of each row, the rows interleaved round by round."""
-    for fn, _ in rows.values():
-        fn()
-    cpu = {name: [] for name in rows}
-    wall = {name: [] for name in rows}
-    for _ in range(rounds):
-        for name, (fn, _) in rows.items():
-            c, w = time.process_time(), time.perf_counter()
-            fn()
-            cpu[name].append(time.process_time() - c)
-            wall[name].append(time.perf_counter() - w)
-    return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in rows}
 
 
 def load_average() -> str:
@@ -78,7 +67,7 @@ def main() -> None:
     print(f"decode attention, ctx {args.ctx}, batch {args.batch}, 9/3 heads x 64, block 16, {args.threads} "
           f"thread(s), median of {args.rounds} interleaved rounds; max |int8 - fp32| of the output {err:.2e}; "
           f"isa {getattr(cpu.lib, 'isa', '?')}; load average before {load_average()}")
-    times = timed(rows, args.rounds)
+    times = interleaved_medians(rows, args.rounds)
     base_cpu, base_wall = times["cpu fp32"]
     for name, (_, nbytes) in rows.items():
         cpu_s, wall_s = times[name]

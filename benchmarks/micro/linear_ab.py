@@ -1,9 +1,9 @@
 """SmolLM2-135M's linear layers through the cpu kernel's packed fp32 linear (``linear.h``), this tree against
 another tree's kernel and torch's ``F.linear`` (MKL), alternating round by round in one process.
 
-    .venv/bin/python benchmarks/linear_ab.py --rows 1 --rows 16 --rows 32 --rows 60 --rows 1280
+    .venv/bin/python benchmarks/micro/linear_ab.py --rows 1 --rows 16 --rows 32 --rows 60 --rows 1280
     git worktree add /tmp/ref HEAD~1
-    .venv/bin/python benchmarks/linear_ab.py --ref /tmp/ref --rows 32 --threads 2 --rounds 12
+    .venv/bin/python benchmarks/micro/linear_ab.py --ref /tmp/ref --rows 32 --threads 2 --rounds 12
 
 Each round multiplies ``--rows`` rows by all 30 layers' ``[Wq;Wk;Wv]``, ``o_proj``, ``[Wg;Wu]`` and
 ``down_proj`` weights (random, 425 MB a copy: more than any L3, so every weight comes from memory as in an

@@ -1,7 +1,7 @@
 """Equal work (issue 20) in one process: transformers ``generate`` against pagedkv ``cpu``, optionally also with an
 older build of the kernel, interleaved, with the time spent inside attention.
 
-Run: ``.venv/bin/python benchmarks/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]
+Run: ``.venv/bin/python benchmarks/e2e/equal_work_ab.py --batch 8 --prompt-len 2048 --rounds 2 [--old-lib OLD.so]
 [--torch]``.
 An old library is built from an earlier commit's source, e.g. ``git show REV:backends/cpu/attention.cpp >
 /tmp/old.cpp && g++ -O3 -march=native -fopenmp -fPIC -shared -std=c++17 /tmp/old.cpp -o /tmp/old.so`` (copy any
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
 
 def main() -> int:
@@ -35,42 +35,32 @@ def main() -> int:
     torch.set_num_threads(1)
     import test_equal_work as ew
     import transformers.integrations.sdpa_attention as sdpa_module
+    from bench_common import ContentionMonitor, Timers, load_hf_model, model_dir
     from transformers import AutoTokenizer
 
-    from conftest import ContentionMonitor, _load
     from pagedkv import LLM
     from pagedkv.backends.cpu.build import _bind
-    from pagedkv.core.model.model_loader import resolve_model_dir
 
-    model_dir = resolve_model_dir(None)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.eos_token_id
-    hf, paged = _load(model_dir), _load(model_dir)
+    hf, paged = load_hf_model(path), load_hf_model(path)
     prompts = ew.prompts_of(args.batch, args.prompt_len, hf.config.vocab_size)
-    attention = collections.Counter()
-
-    def timed(fn):
-        def run(*a, **k):
-            started = time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                attention["s"] += time.thread_time() - started
-        return run
-
-    sdpa_module.torch.nn.functional.scaled_dot_product_attention = timed(
-        torch.nn.functional.scaled_dot_product_attention)
+    timers = Timers()  # this thread's CPU seconds inside attention (SDPA and the engines' backends) as "s"
+    attention = timers.cpu
+    sdpa_module.torch.nn.functional.scaled_dot_product_attention = timers.timed(
+        torch.nn.functional.scaled_dot_product_attention, "s")
     systems = {"generate": lambda ps: ew.run_generate(hf, ps, pad_id)}
     libs = {"new": None, **({"old": _bind(ctypes.CDLL(args.old_lib))} if args.old_lib else {})}
     for name, lib in libs.items():
         llm = LLM(hf_model=paged, tokenizer=tokenizer, device="cpu", backend="cpu")
         if lib is not None:
             llm.engine.backend.lib = lib
-        llm.engine.backend.attend = timed(llm.engine.backend.attend)
+        llm.engine.backend.attend = timers.timed(llm.engine.backend.attend, "s")
         systems[name] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
     if args.torch:
         llm = LLM(hf_model=paged, tokenizer=tokenizer, device="cpu", backend="torch")
-        llm.engine.backend.attend = timed(llm.engine.backend.attend)
+        llm.engine.backend.attend = timers.timed(llm.engine.backend.attend, "s")
         systems["torch"] = lambda ps, llm=llm: ew.run_pagedkv(llm, ps)
     for run in systems.values():
         run(prompts[:2])  # warm-up: lazy initialisation and the kernel build are not timed
@@ -80,7 +70,7 @@ def main() -> int:
     reference = None
     for r in range(args.rounds):
         for name, run in systems.items():
-            attention.clear()
+            timers.reset()
             with ContentionMonitor() as c:
                 wall, cpu = time.perf_counter(), time.process_time()
                 got = run(prompts)

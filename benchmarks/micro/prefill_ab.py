@@ -1,9 +1,9 @@
 """One SmolLM2-135M layer's prefill attention through the cpu kernel (``prefill.h``), this tree against another
 tree's kernel and torch's flash SDPA, alternating round by round in one process.
 
-    .venv/bin/python benchmarks/prefill_ab.py
+    .venv/bin/python benchmarks/micro/prefill_ab.py
     git worktree add /tmp/ref HEAD~1
-    .venv/bin/python benchmarks/prefill_ab.py --ref /tmp/ref --rounds 12
+    .venv/bin/python benchmarks/micro/prefill_ab.py --ref /tmp/ref --rounds 12
 
 Cases: one 2,048-token prompt and eight 256-token prompts (9 query heads, 3 KV heads, head dim 64, fp32,
 block size 16, block tables shuffled over the pool), the whole prompt in one step, causal. The kernels are
@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from linear_ab import compile_tree
-from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+
+from linear_ab import compile_tree  # noqa: E402  (beside this file)
+from paged_case import BLOCK, HEAD_DIM, HEADS, KV_HEADS, random_paged_cache  # noqa: E402
 
 from pagedkv.backends.cpu import CpuBackend, build
 from pagedkv.backends.cpu.route_table import TORCH, Routes

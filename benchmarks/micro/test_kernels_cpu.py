@@ -1,6 +1,6 @@
 """Suite 4 of issue 7 (CPU part): the torch backend's paged attention against SDPA on contiguous KV.
 
-Run: ``python -m pytest benchmarks/test_kernels_cpu.py --benchmark-only -q -s``. To compare runs side
+Run: ``python -m pytest benchmarks/micro/test_kernels_cpu.py --benchmark-only -q -s``. To compare runs side
 by side, save them (``--benchmark-save=kernels_cpu``) and use
 ``pytest-benchmark compare --group-by=group --columns=min,median,rounds`` (each group is one
 batch x context x head config, holding the ``torch`` backend and the ``sdpa-contiguous`` baseline).
@@ -15,7 +15,7 @@ on it, as it is for the 2nd..Nth layer of a real step). The baseline is
 Besides the pytest-benchmark rows, each torch-backend test times the two alternately (pairs, median of
 the per-pair ratios), so the printed ratio compares them under the same load at the same moment. The
 Triton interpreter is for correctness, not speed, so it is not timed here; GPU numbers come from
-``benchmarks/gpu_suite.py``. Threads: ``PAGEDKV_KERNEL_THREADS`` (default 1; see the README of the
+``benchmarks/gpu/gpu_suite.py``. Threads: ``PAGEDKV_KERNEL_THREADS`` (default 1; see the README of the
 results for why).
 """
 
@@ -28,8 +28,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_common import facts
 
-from conftest import facts
 from pagedkv.backends.torch_ref import TorchBackend
 from pagedkv.backends.torch_ref.attention import gather_kv
 from pagedkv.core.kv.attention_metadata import AttentionMetadata

@@ -5,7 +5,7 @@
 // SEQ=1 an in-order block table; HOT=n every sequence reads the same n blocks (compute only, no misses);
 // HUGE=1 the caches madvised to transparent huge pages. Build and profile (JOURNAL.md, "int8 decode profile"):
 //   g++ -O3 -g -fopenmp -std=c++17 -march=x86-64-v3 -mtune=native \
-//       -DATT='"$PWD/backends/cpu/attention.cpp"' benchmarks/perf/decode_driver.cpp -o /tmp/drv
+//       -DATT='"$PWD/backends/cpu/attention.cpp"' benchmarks/micro/perf/decode_driver.cpp -o /tmp/drv
 //   /tmp/drv 1 10 [ctx] [threads];  perf record -e cpu-clock -F 5000 /tmp/drv 1 60
 #include ATT
 #include <cstdio>

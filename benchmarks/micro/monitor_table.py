@@ -6,7 +6,7 @@ Three ways, interleaved round by round in one run (thread CPU time, median ms pe
 - ``rebuild``: clear the table and add every row again in the new order;
 - ``sort``: :class:`~pagedkv.monitor.request_table.RequestTable` (cells in place, then ``DataTable.sort``).
 
-    .venv/bin/python benchmarks/monitor_table.py [--finished 500] [--running 64] [--rounds 5]
+    .venv/bin/python benchmarks/micro/monitor_table.py [--finished 500] [--running 64] [--rounds 5]
 """
 
 from __future__ import annotations

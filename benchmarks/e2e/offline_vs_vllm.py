@@ -1,7 +1,7 @@
 """Offline batch generation, pagedkv's ``LLM.generate`` against vLLM CPU's ``LLM.generate``, on the same token ids.
 
-    .venv/bin/python benchmarks/offline_vs_vllm.py                          # 64 prompts x 128 tokens, 2 rounds
-    .venv/bin/python benchmarks/offline_vs_vllm.py --prompts 32 --prompt-len 256 --tokens 64 --rounds 3
+    .venv/bin/python benchmarks/e2e/offline_vs_vllm.py                          # 64 prompts x 128 tokens, 2 rounds
+    .venv/bin/python benchmarks/e2e/offline_vs_vllm.py --prompts 32 --prompt-len 256 --tokens 64 --rounds 3
 
 Both engines get the same prompts as token ids (drawn from SmolLM2's vocabulary with a fixed seed), greedy,
 fp32, ``ignore_eos`` so every engine does the same work, and the same thread count. Each run is a fresh process
@@ -20,11 +20,16 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+
+from bench_common import REPO as ROOT  # noqa: E402
+from bench_common import model_dir  # noqa: E402
+
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 VLLM_PYTHON = PEERS / "vllm" / "venv" / "bin" / "python"
 
@@ -66,12 +71,6 @@ outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
 elapsed = time.perf_counter() - start
 json.dump({"seconds": elapsed, "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
 """
-
-
-def _model_dir() -> str:
-    from pagedkv.core.model.model_loader import resolve_model_dir
-
-    return str(resolve_model_dir(None))
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -116,7 +115,7 @@ def main() -> int:
     if not VLLM_PYTHON.exists():
         print(f"vLLM is not installed ({VLLM_PYTHON} missing; /work/shared/peers/vllm_install.sh): nothing to compare")
         return 0
-    model = _model_dir()
+    model = model_dir()
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
     job = {"model": model, "prompts": _prompts(args.prompts, args.prompt_len, vocab, args.seed),
            "tokens": args.tokens, "threads": args.threads, "backend": args.backend, "eager": args.eager,

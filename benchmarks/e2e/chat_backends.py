@@ -1,6 +1,6 @@
 """The 32-request chat workload (benchmarks/workload.py) through pagedkv with each CPU attention backend.
 
-Run: ``.venv/bin/python benchmarks/chat_backends.py [--threads N] [--backends torch,cpu]``. Both backends run
+Run: ``.venv/bin/python benchmarks/e2e/chat_backends.py [--threads N] [--backends torch,cpu]``. Both backends run
 in one process, alternating, twice each; the report gives output tokens/s per run and checks that every
 backend produced the same greedy tokens.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
 
 def main() -> int:
@@ -25,13 +25,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from bench_common import model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from workload import build_workload
 
     from pagedkv import LLM, SamplingParams
-    from pagedkv.core.model.model_loader import resolve_model_dir
 
-    path = resolve_model_dir(None)
+    path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     work = build_workload(tokenizer, num_requests=32)
     llms = {}

@@ -1,8 +1,8 @@
 """pagedkv against the engines a CPU user would otherwise pick, one server at a time, in one run.
 
-    .venv/bin/python benchmarks/peers_bench.py                      # 32 chats at once, 2 rounds
-    .venv/bin/python benchmarks/peers_bench.py --num-requests 32 --num-requests 128 --rounds 3
-    .venv/bin/python benchmarks/peers_bench.py --peers vllm,llamacpp --pagedkv auto,torch
+    .venv/bin/python benchmarks/serving/peers_bench.py                      # 32 chats at once, 2 rounds
+    .venv/bin/python benchmarks/serving/peers_bench.py --num-requests 32 --num-requests 128 --rounds 3
+    .venv/bin/python benchmarks/serving/peers_bench.py --peers vllm,llamacpp --pagedkv auto,torch
 
 Each installed peer is started with its recipe in ``$PEERS_DIR`` (default ``/work/shared/peers``, see its
 README; the peers themselves live in ``$PEERS``, default ``/tmp/peers``), measured with the streamed-chat
@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
-from serve_bench import run_workload, stop, wait_ready, workload  # noqa: E402
+from bench_common import REPO as ROOT  # noqa: E402
+from bench_common import model_dir  # noqa: E402
+from serve_bench import run_workload, stop, wait_ready, workload  # noqa: E402  (beside this file)
 
-ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/shared/peers"))
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 REFERENCE = "vllm"
@@ -67,7 +68,7 @@ def peer_servers(names: list[str], port: int, threads: int) -> list[Server]:
                                   {"THREADS": str(threads)}, missing))
         elif name == "transformers":
             exe = ROOT / ".venv" / "bin" / "transformers"
-            model = _model_dir()
+            model = model_dir()
             missing = "" if exe.exists() else f"not installed ({exe} missing)"
             servers.append(Server(name, [str(exe), "serve", model, "--continuous-batching", "--device", "cpu",
                                          "--port", str(port)], {}, missing))
@@ -98,12 +99,6 @@ def start(server: Server, port: int) -> list[tuple[str, subprocess.Popen]]:
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         started.append((f"http://127.0.0.1:{port + i}", proc))
     return started
-
-
-def _model_dir() -> str:
-    from pagedkv.core.model.model_loader import resolve_model_dir
-
-    return str(resolve_model_dir(None))
 
 
 def measure(server: Server, port: int, counts: list[int], args: argparse.Namespace) -> list[dict]:

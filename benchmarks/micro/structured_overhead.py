@@ -9,7 +9,7 @@ llguidance's included), which a loaded machine disturbs far less than wall time.
 constrained step over the median unconstrained one. Compile time: a new backend (its tokenizer set-up
 reported apart) compiles ``--schemas`` distinct 50-field schemas; each is timed once.
 
-    .venv/bin/python benchmarks/structured_overhead.py [--model smollm2|tiny] [--rounds 3] [--steps 8]
+    .venv/bin/python benchmarks/micro/structured_overhead.py [--model smollm2|tiny] [--rounds 3] [--steps 8]
 """
 
 from __future__ import annotations

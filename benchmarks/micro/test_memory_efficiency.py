@@ -1,6 +1,6 @@
 """Suite 1 of issue 7: memory efficiency of the real allocator, paged vs the static max-length baseline.
 
-Run: ``python -m pytest benchmarks/test_memory_efficiency.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_memory_efficiency.py --benchmark-only -q -s``.
 
 Every figure comes from ``pagedkv.sim.simulate.run_once``, i.e.
 ``SimEngine(config, runner=SimulatedRunner(shape))``:
@@ -26,11 +26,10 @@ import os
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from bench_common import PLOTS, facts
 
-from conftest import facts
 from pagedkv.core.hookspecs import hookimpl
 from pagedkv.sim.simulate import SimSetup, run_once
 from pagedkv.sim.workload import builtin_workload
@@ -41,7 +40,6 @@ SEED = 0
 KV_BUDGET = 512 * 2**20  # one fixed KV budget for every paged-vs-static comparison: 512 MiB
 MAX_MODEL_LEN = 2048  # what the static baseline reserves per request (OPT's context in the vLLM paper)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PLOTS = Path(__file__).parent / "plots"
 GOAL_REAL_PCT = 98.0
 
 # Sequence slots and the per-step token budget are set high, so the KV budget is what limits concurrency.

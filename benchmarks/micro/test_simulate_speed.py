@@ -1,6 +1,6 @@
 """How fast `engine simulate` plans: ShareGPT-like requests through the real scheduler and allocator.
 
-Run: ``python -m pytest benchmarks/test_simulate_speed.py --benchmark-only -s``.
+Run: ``python -m pytest benchmarks/micro/test_simulate_speed.py --benchmark-only -s``.
 
 - ``test_sharegpt_100k``: issue 9's target, 100,000 ShareGPT-like requests "well under a
   minute", for the paged run and the static baseline, and for ``simulate()`` as a whole (both

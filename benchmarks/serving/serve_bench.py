@@ -1,7 +1,7 @@
 """Serving benchmark: a seeded chat workload against any OpenAI-compatible server, streamed over HTTP.
 
-    python benchmarks/serve_bench.py --url http://127.0.0.1:8000 --rate inf --rate 2
-    python benchmarks/serve_bench.py --num-requests 16 --rate inf --rate 1 \\
+    python benchmarks/serving/serve_bench.py --url http://127.0.0.1:8000 --rate inf --rate 2
+    python benchmarks/serving/serve_bench.py --num-requests 16 --rate inf --rate 1 \\
         --launch "pagedkv=engine serve --model DIR --port 8100" \\
         --launch "hf-cb=transformers serve DIR --continuous-batching --device cpu --port 8101" \\
         --json benchmarks/serve_results.json --plot benchmarks/plots/serve.png

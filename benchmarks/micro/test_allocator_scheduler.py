@@ -1,7 +1,7 @@
 """Suite 5 of issue 7: block alloc/free/append operations per second, and scheduler step time at 64, 1k, 10k
 sequences, and how the cost grows.
 
-Run: ``python -m pytest benchmarks/test_allocator_scheduler.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/micro/test_allocator_scheduler.py --benchmark-only -q -s``.
 
 Block operations run on the real ``BlockPool`` and ``PagedAllocator`` (no plugins, no telemetry: the
 engine's default hot path). Their baseline, in the same group and the same run, is the bare data-structure
@@ -28,8 +28,8 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from bench_common import facts
 
-from conftest import facts
 from pagedkv.core.kv.allocator import PagedAllocator
 from pagedkv.core.kv.block_pool import BlockPool
 from pagedkv.core.sample.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """Where an engine step's time goes on this CPU: scheduler, model forward by op family, attention, sampling,
-outputs (detokenization), for the 32-chat workload of chat_backends.py through ``LLM.generate``.
+outputs (detokenization), for the 32-chat workload of e2e/chat_backends.py through ``LLM.generate``.
 
-Run: ``.venv/bin/python benchmarks/step_breakdown.py [--threads N] [--backend auto] [--requests 32]``.
+Run: ``.venv/bin/python benchmarks/micro/step_breakdown.py [--threads N] [--backend auto] [--requests 32]``.
 
 The engine-level parts are timed by wrappers around ``scheduler.schedule``, ``runner.execute``, the
 engine's ``_sample`` and ``outputs.emit`` (wall clock). Inside the forward, ``torch.profiler`` gives the self
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
 FAMILIES = {
     "linear": ("addmm", "mm", "linear", "matmul", "bmm", "mkldnn", "_linear"),
@@ -49,13 +49,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from bench_common import Timers, model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from workload import build_workload
 
     from pagedkv import LLM, SamplingParams
-    from pagedkv.core.model.model_loader import resolve_model_dir
 
-    path = resolve_model_dir(None)
+    path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     work = build_workload(tokenizer, num_requests=args.requests)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -65,28 +65,14 @@ def main() -> int:
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in work.max_tokens]
     llm.generate(work.prompt_ids[:2], params[:2])  # warm-up
 
-    wall = collections.Counter()
-
-    def timed(obj, name: str, label: str, profiled: bool = False) -> None:
-        fn = getattr(obj, name)
-
-        def run(*a, **k):
-            started = time.perf_counter()
-            try:
-                if profiled:
-                    with torch.profiler.record_function(label):
-                        return fn(*a, **k)
-                return fn(*a, **k)
-            finally:
-                wall[label] += time.perf_counter() - started
-        setattr(obj, name, run)
-
-    timed(engine.scheduler, "schedule", "scheduler")
-    timed(engine.runner, "execute", "forward (all)")
-    timed(engine, "_sample", "sampling")
-    timed(engine.outputs, "emit", "outputs/detokenize")
-    timed(engine.backend, "attend", "attention", profiled=True)
-    timed(engine.backend, "write_kv", "kv write", profiled=True)
+    timers = Timers()
+    wall = timers.wall
+    timers.patch(engine.scheduler, "schedule", "scheduler")
+    timers.patch(engine.runner, "execute", "forward (all)")
+    timers.patch(engine, "_sample", "sampling")
+    timers.patch(engine.outputs, "emit", "outputs/detokenize")
+    timers.patch(engine.backend, "attend", "attention", record="attention")
+    timers.patch(engine.backend, "write_kv", "kv write", record="kv write")
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,6 +1,6 @@
 """Issue 20: pagedkv against transformers ``generate`` at equal work (no padding anywhere).
 
-Run: ``python -m pytest benchmarks/test_equal_work.py --benchmark-only -q -s``.
+Run: ``python -m pytest benchmarks/e2e/test_equal_work.py --benchmark-only -q -s``.
 
 Every prompt is exactly P random tokens, every request generates exactly N = 32 tokens (greedy, EOS ignored),
 and transformers runs all B prompts as one batch with its contiguous ``DynamicCache``, so neither side wastes
@@ -19,8 +19,7 @@ import time
 
 import pytest
 import torch
-
-from conftest import ContentionMonitor, facts
+from bench_common import ContentionMonitor, facts
 
 NEW_TOKENS = 32
 CASES = [(64, 256), (8, 2048)]
