@@ -3,7 +3,7 @@
 Start-up is what a user waits for before the first token (``engine run``) or the first answer
 (``engine serve``); it is the sum of a few big phases (imports, loading the weights, building the
 KV cache and the runner, the first step). Each is timed where it happens with :func:`phase`, so a
-regression shows as one line growing, and ``benchmarks/startup.py`` reads the same lines.
+regression shows as one line growing, and ``benchmarks/e2e/startup.py`` reads the same lines.
 
 A line reads ``pagedkv.startup: DEBUG: <name> 1.23 s (at 4.56 s)``: the phase's wall time and the
 time since the process started (``/proc/self/stat`` on Linux, so the interpreter's and the imports'

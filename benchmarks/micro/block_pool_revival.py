@@ -1,6 +1,6 @@
 """Block pool micro-benchmark: allocate, free and revive at 1k, 100k and 1M blocks, against a reference pool.
 
-Run: ``python benchmarks/block_pool_revival.py`` (about ten seconds; ``--ref REV`` picks the reference pool,
+Run: ``python benchmarks/micro/block_pool_revival.py`` (about ten seconds; ``--ref REV`` picks the reference pool,
 ``git show REV:core/kv/block_pool.py``, default ``main``; ``--sizes``, ``--rounds``).
 
 - allocate: every block of a fresh pool, one ``allocate()`` each (plain blocks: the engine's hot path).
