@@ -24,8 +24,8 @@ import ast
 from pathlib import Path
 
 import tomllib
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ABOVE_CORE = ("pagedkv.cli", "pagedkv.monitor", "pagedkv.plugins", "pagedkv.serve", "pagedkv.sim")
 # the top-level packages, highest layer first; "pagedkv" stands for the root's own modules (__init__, testing)
 LAYERS = (("cli",), ("serve", "monitor", "sim"), ("backends", "plugins"), ("pagedkv",), ("core",))

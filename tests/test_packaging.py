@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 
 
 def run_python(code: str, cwd: Path, env_path: str | None = None) -> str:

@@ -3,9 +3,8 @@ to the notes under the table), and the README fits a five-minute read (250 lines
 
 from __future__ import annotations
 
-from pathlib import Path
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_ROW = 400
 MAX_README_LINES = 250
 

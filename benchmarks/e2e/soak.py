@@ -1,7 +1,7 @@
 """Soak: thousands of requests through a small pool with every plugin on, on a tiny random Llama.
 
     python benchmarks/e2e/soak.py --requests 2000          # the documented soak (a few minutes on 2 cores)
-    python benchmarks/e2e/soak.py --requests 60 --json     # what tests/test_soak.py runs
+    python benchmarks/e2e/soak.py --requests 60 --json     # what tests/core/test_soak.py runs
 
 Reports requests completed, blocks leaked (must be 0), RSS at start and end,
 preemptions and swaps. Exits 1 if any block leaked or any request went missing.

@@ -13,14 +13,15 @@ moment keeps what finished: ``gpu_suite.md`` (goals, tables; ready for ``benchma
 pytest log, worker log and JUnit XML). The tables are printed last, the goals at the very end. Without CUDA
 the script prints ``no CUDA device: nothing to run`` and exits 0; ``--dry-run`` runs the same code paths on
 the CPU with tiny shapes (torch backend only, ``perf_counter`` instead of CUDA events) plus a self-check of
-the test runner, in seconds (``tests/test_gpu_suite_dry_run.py`` runs it in ``make test``).
+the test runner, in seconds (``tests/benchmarks/test_gpu_suite_dry_run.py`` runs it in ``make test``).
 
 Phases (budget: the tests get ``--tests-share`` of it; what is left is divided among the remaining
 benchmark workers by weight, recomputed as each one finishes, so time one does not use goes to the next):
 
-1. Correctness, in parallel processes (``gpu/runner.py``): ``tests/test_triton_*.py``,
-   ``tests/test_cupy_gpu.py`` (big files in shards), ``tests/test_reference_attention.py``,
-   ``tests/test_generate_matches_hf.py -k "llama and 16"``, and a tiny random Llama generated greedily by the
+1. Correctness, in parallel processes (``gpu/runner.py``): ``tests/backends/triton/test_triton_*.py``,
+   ``tests/backends/cupy/test_cupy_gpu.py`` (big files in shards),
+   ``tests/backends/torch_ref/test_reference_attention.py``,
+   ``tests/core/model/test_generate_matches_hf.py -k "llama and 16"``, and a tiny random Llama generated greedily by the
    engine on ``cuda`` with each backend against transformers (``gpu/e2e.py``).
 2. Decode attention (``gpu/kernels.py``), one process per backend: SDPA on contiguous K/V (default dispatch
    and flash-only), triton, cupy, torch; batch 64, context 2048, fp16 and bf16, SmolLM2 / Llama-3.2-1B /

@@ -165,16 +165,17 @@ def gpu_test_steps(work_dir: Path, runner: Runner, deadline: float) -> None:
         return junit_dir / f"{n[0]:02d}.xml"
 
     step_timeout = max(10.0, deadline - now())
-    sharded = {"tests/test_triton_attention.py": 4, "tests/test_cupy_gpu.py": 4}
-    triton_files = sorted(os.path.relpath(p, REPO) for p in glob.glob(str(REPO / "tests" / "test_triton_*.py")))
-    single = [f for f in triton_files if f not in sharded] + ["tests/test_reference_attention.py"]
+    sharded = {"tests/backends/triton/test_triton_attention.py": 4, "tests/backends/cupy/test_cupy_gpu.py": 4}
+    triton_tests = REPO / "tests" / "backends" / "triton"
+    triton_files = sorted(os.path.relpath(p, REPO) for p in glob.glob(str(triton_tests / "test_triton_*.py")))
+    single = [f for f in triton_files if f not in sharded] + ["tests/backends/torch_ref/test_reference_attention.py"]
     for f in single:
         j = junit()
         runner.start(Step(Path(f).name, _pytest_argv([f], j), step_timeout, junit=j))
     j = junit()
     runner.start(Step("test_generate_matches_hf.py -k 'llama and 16'",
-                      _pytest_argv(["tests/test_generate_matches_hf.py", "-k", "llama and 16"], j), step_timeout,
-                      junit=j))
+                      _pytest_argv(["tests/core/model/test_generate_matches_hf.py", "-k", "llama and 16"], j),
+                      step_timeout, junit=j))
     rows = runner.log_dir / "e2e_check_rows.jsonl"
     runner.start(Step("e2e tiny llama on cuda (torch/triton/cupy)", [sys.executable, str(SUITE), "--e2e-check",
                                                                    "--rows", str(rows)], step_timeout, rows=rows))

@@ -51,7 +51,7 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: str) -> list[
     ``context_len`` slots, and the kernel tests poison every other slot with NaN; swaps and copy-on-write copy
     whole blocks, garbage included, into slots that are again unread). Zeroing the default 1 GiB was a
     start-up phase of its own (seconds on a busy machine); untouched pages also cost no memory until used.
-    ``tests/test_kv_garbage.py`` runs whole engines on a NaN-filled cache."""
+    ``tests/core/kv/test_kv_garbage.py`` runs whole engines on a NaN-filled cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     return [
         (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))

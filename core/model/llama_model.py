@@ -4,7 +4,7 @@ Importing and building transformers' model code was most of start-up. This modul
 computes the same thing in the same order and dtypes (RMSNorm in float32 then ``weight * x`` in
 the input dtype; float32 rotary ``inv_freq`` / cos / sin cast to the activations' dtype;
 ``rotate_half``; the SiLU-gated MLP; the kept rows before ``lm_head``), so its logits are
-bit-identical to transformers' (``tests/test_llama_model.py``). Attention goes through the same
+bit-identical to transformers' (``tests/core/model/test_llama_model.py``). Attention goes through the same
 :func:`~pagedkv.core.model.hf_attention.paged_attention_forward` the transformers path calls, with
 tensors of the same shapes and strides. The projections stay ``nn.Linear`` so ``cpu_linear`` packs
 them. Which checkpoints take this path: :mod:`pagedkv.core.model.native_config`.

@@ -16,7 +16,7 @@ line per ``report_every`` seconds says so.
 No public asyncio API changes how a listening socket's accept round ends (uvicorn's public
 ``backlog`` option would shorten the round, but also the kernel's listen queue), so the guard
 replaces the selector loop's private ``_accept_connection`` and uses its ``_add_reader`` /
-``_remove_reader``; ``tests/test_serve_private_hooks.py`` fails, naming them and the Python
+``_remove_reader``; ``tests/serve/test_serve_private_hooks.py`` fails, naming them and the Python
 version, when they change shape. Where they are missing (uvloop, another loop) the guard is
 not installed, and :func:`quiet_accept_errors` (a public exception handler) at least turns
 asyncio's traceback per failed ``accept()`` into one warning line per ``interval`` seconds.

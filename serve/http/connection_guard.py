@@ -19,7 +19,7 @@ uvicorn has no public option for either, so :func:`guarded_protocol` subclasses 
 deadline uses only asyncio's public protocol callbacks; the header deadline reads two of
 ``H11Protocol``'s internals: ``cycle`` (a new object exactly when a request head is complete)
 and ``on_response_complete`` (called after each response). The ``serve`` extra pins the
-uvicorn versions this was checked against; ``tests/test_serve_private_hooks.py`` fails,
+uvicorn versions this was checked against; ``tests/serve/test_serve_private_hooks.py`` fails,
 naming the attribute, when either changes shape.
 """
 

@@ -8,11 +8,11 @@ tests and review cover that."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+PLUGINS = ROOT / "plugins"
 BUILT_IN = ["prefix_cache.py", "copy_on_write.py", "cpu_swap.py", "telemetry.py"]
 
 

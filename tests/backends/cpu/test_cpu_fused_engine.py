@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_llama_model import BLOCK, VOCAB, save_tiny
+from tiny_checkpoint import BLOCK, VOCAB, save_tiny
 
 from conftest import drain, hf_greedy, random_prompts
 from pagedkv.backends.cpu import build

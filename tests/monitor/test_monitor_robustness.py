@@ -13,7 +13,8 @@ import threading
 import time
 
 import pytest
-from test_reliability_cli import ENGINE, QUIET, ROOT, assert_one_line_error, engine
+from engine_command import ENGINE, QUIET, assert_one_line_error, engine
+from repo_paths import ROOT
 
 from pagedkv.core.telemetry_protocol import ProtocolError, decode
 from pagedkv.monitor.client import StreamClient

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import TESTS
 
 from pagedkv.backends.cupy import compile as kc
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = TESTS
 SHIM = r"""// Host emulation of the CUDA features the pagedkv kernels use: one OS thread per CUDA thread.
 #include <math.h>
 #include <cstring>

@@ -1,6 +1,6 @@
 """GPU checks of the CuPy backend's kernels (skipped without a CUDA device).
 
-Run on a GPU machine with ``pytest tests/test_cupy_gpu.py``. The checks are
+Run on a GPU machine with ``pytest tests/backends/cupy/test_cupy_gpu.py``. The checks are
 plain functions taking a backend and a device (the tests below call them with
 ``CupyBackend`` on ``cuda``), compared against a float64 reference computed
 straight from the definition, and against the torch reference backend.

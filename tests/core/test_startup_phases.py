@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from pathlib import Path
+
+from repo_paths import ROOT
 
 from pagedkv.core import startup_phases
 from pagedkv.testing import tiny_engine
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench_module():

@@ -16,17 +16,17 @@ import re
 import socket
 import sys
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 import tomllib
 
 pytest.importorskip("uvicorn")
 
+from repo_paths import ROOT
+
 from pagedkv.serve.http.accept_guard import SHED_PER_ROUND, guard_accept  # noqa: E402
 from pagedkv.serve.http.connection_guard import guarded_protocol  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 UVICORN = f"uvicorn {version('uvicorn')}"
 PYTHON = f"Python {sys.version.split()[0]}"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
 from pagedkv.core import hookspecs
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+DOC = ROOT / "docs" / "plugins.md"
 SIGNATURE_LINE = re.compile(r"^\s*(pagedkv_\w+)\(.*\) -> .+$")
 SECTION = re.compile(r"^### `(pagedkv_\w+)`\s*$", re.MULTILINE)
 

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from repo_paths import TESTS
 
 from pagedkv.backends.cpu import build, routes
 from pagedkv.backends.cpu.routes import KERNEL, TORCH, Measurement, Routes
@@ -188,7 +189,7 @@ print("ran", engine.backend.routes)
 
 @needs_compiler
 def test_two_engines_measuring_at_once_on_an_empty_route_cache_both_run(tmp_path):
-    from test_llama_model import save_tiny
+    from tiny_checkpoint import save_tiny
 
     lib = build.load()
     model = save_tiny(tmp_path / "model")
@@ -197,7 +198,7 @@ def test_two_engines_measuring_at_once_on_an_empty_route_cache_both_run(tmp_path
     target.parent.mkdir(parents=True)
     target.write_bytes(build.library_path(lib.isa).read_bytes())  # the built library, but no route cache
     env = {**os.environ, "PAGEDKV_CACHE": str(cache), "PAGEDKV_CPU_ROUTES": "measure", "OMP_NUM_THREADS": "1"}
-    tests = os.path.dirname(__file__)
+    tests = str(TESTS)
     procs = [subprocess.Popen([sys.executable, "-c", TWO_ENGINES, str(model), tests], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     results = [p.communicate(timeout=300) for p in procs]

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import ROOT
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = ROOT / "benchmarks"
 SUITE = BENCH / "gpu" / "gpu_suite.py"
 TOOL_OUTPUT_TAIL = 12_000  # the device tool returns only this many trailing characters of output
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "serving"
+BENCH = ROOT / "benchmarks" / "serving"
 
 
 @pytest.fixture

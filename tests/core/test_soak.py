@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
+
+from repo_paths import ROOT
 
 
 def load_soak():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e" / "soak.py"
+    path = ROOT / "benchmarks" / "e2e" / "soak.py"
     spec = importlib.util.spec_from_file_location("pagedkv_soak", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -156,7 +156,7 @@ def test_native_paths_import_no_transformers(tmp_path):
 
 def test_structured_outputs_on_the_native_path(tmp_path):
     pytest.importorskip("llguidance")
-    from test_llama_model import save_tiny
+    from tiny_checkpoint import save_tiny
 
     from conftest import drain
     from pagedkv.core.config import EngineConfig

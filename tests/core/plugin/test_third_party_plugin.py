@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 EXAMPLE = REPO / "examples" / "pagedkv-spf"
 
 # Five requests, one at a time (max_num_seqs=1), so the completion order is the admission order.

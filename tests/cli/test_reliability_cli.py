@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_command import ENGINE, QUIET, assert_one_line_error, engine  # noqa: F401 - shared
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 211
-_SCRIPT = Path(sys.executable).parent / "engine"  # the installed entry point, wherever the CLI module lives
-ENGINE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "pagedkv.cli.main"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 )
@@ -51,24 +50,6 @@ def chat_model(tmp_path_factory) -> Path:
     return _save_tiny_model(tmp_path_factory.mktemp("chat"), CHAT_TEMPLATE)
 
 
-def engine(*args: str | bytes, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [*ENGINE, *args]
-    full_env = {**os.environ, **QUIET, **(env or {})}
-    return subprocess.run(cmd, capture_output=True, timeout=timeout, cwd=ROOT, env=full_env)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    err = proc.stderr.decode(errors="replace")
-    assert proc.returncode == 2, (proc.returncode, err)
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("engine: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-QUIET = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # no weight-loading bar on stderr
 RUN = ("run", "--device", "cpu", "--num-blocks", "64", "--block-size", "4", "--threads", "1")
 
 

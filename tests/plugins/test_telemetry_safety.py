@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
 from pagedkv.plugins.telemetry_address import parse_address
 from pagedkv.plugins.telemetry_server import TelemetryServer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _server(path: Path, **kwargs) -> TelemetryServer:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from repo_paths import ROOT
 
 from conftest import random_prompts
 from pagedkv.core.config import EngineConfig
@@ -395,7 +396,7 @@ def test_core_does_not_import_textual(tmp_path):
         "assert t.find(e) is not None, 'the telemetry entry point is registered'\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual was imported'\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
 
 
