@@ -232,6 +232,24 @@ def _gauges(url: str) -> dict[str, float]:
             if line.startswith(("pagedkv:num_requests_running", "pagedkv:kv_cache_usage_perc"))}
 
 
+ESTABLISHED = "01"  # the connection states of /proc/net/tcp (linux/tcp_states.h, in hex)
+
+
+def _server_side_state(client: socket.socket) -> str | None:
+    """The state of the server's end of ``client``'s connection, from /proc/net/tcp (None: gone)."""
+    ours, theirs = client.getsockname()[1], client.getpeername()[1]
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == theirs and int(remote.split(":")[1], 16) == ours:
+            return state
+    return None
+
+
+def _wait_until_the_server_closes(client: socket.socket, deadline: float) -> None:
+    """Wait, without reading, until the server has closed its end of ``client``'s connection."""
+    while time.monotonic() < deadline and _server_side_state(client) == ESTABLISHED:
+        time.sleep(0.2)
+
 def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_blocks_freed(fresh):
     url, _ = fresh
     host, port = url.removeprefix("http://").split(":")
@@ -239,6 +257,7 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_blocks_freed(fr
     reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # a full receive window within a few chunks
     reader.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # keeps the server's kernel send buffer small
     reader.connect((host, int(port)))
+    assert _server_side_state(reader) == ESTABLISHED  # (what the wait below watches)
     body = json.dumps({"prompt": "a", "max_tokens": 500, "n": 2, "logprobs": 5, "ignore_eos": True,
                        "temperature": 0, "stream": True}).encode()
     reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -253,7 +272,9 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_blocks_freed(fr
     while (gauges := _gauges(url))["pagedkv:num_requests_running"] > 0:
         assert time.monotonic() < deadline, gauges
         time.sleep(0.2)
-    time.sleep(3)  # past --send-timeout 2 even if the sequences had finished before the send stalled
+    # not reading until the server has cut the connection: its stall clock restarts whenever the kernel takes a
+    # few more bytes (the send buffer grows for a while), so a fixed wait past --send-timeout can be too short
+    _wait_until_the_server_closes(reader, deadline=time.monotonic() + 60)
     assert _gauges(url)["pagedkv:kv_cache_usage_perc"] == 0.0
     reader.settimeout(10)
     received = b""

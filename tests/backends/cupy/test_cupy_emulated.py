@@ -242,7 +242,7 @@ RUNNER = textwrap.dedent(
 
     from pagedkv.backends.cupy.backend import CupyBackend
 
-    spec = importlib.util.spec_from_file_location("cupy_gpu_checks", tests_dir + "/test_cupy_gpu.py")
+    spec = importlib.util.spec_from_file_location("cupy_gpu_checks", tests_dir + "/backends/cupy/test_cupy_gpu.py")
     checks = importlib.util.module_from_spec(spec)
     sys.modules["cupy_gpu_checks"] = checks
     spec.loader.exec_module(checks)
