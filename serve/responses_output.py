@@ -37,12 +37,19 @@ class ResponseHead:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.model, "output": output, "usage": usage, "error": error,
             "incomplete_details": incomplete, "instructions": req.instructions, "metadata": req.metadata or {},
-            "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "tools": [_echoed_tool(tool) for tool in req.tools or ()],
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
             "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "previous_response_id": None,
             "reasoning": None, "store": False, "background": False, "truncation": "disabled",
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}}, "user": req.user,
         }
+
+
+def _echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A request's function tool as the response object lists it (every field present)."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict")}
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -54,7 +61,8 @@ def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 

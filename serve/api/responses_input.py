@@ -51,6 +51,7 @@ def _checked_item(i: int, item: Any) -> tuple[str, dict[str, Any]]:
     where = f"input[{i}]"
     if not isinstance(item, dict):
         raise InvalidField(where, f"{where} must be an object (a message, function_call or function_call_output)")
+    item = {key: value for key, value in item.items() if value is not None}  # null is unset, as in a body
     kind = item.get("type", "message")
     if kind not in _ITEM_KEYS:
         raise InvalidField(f"{where}.type", f"{where}.type {kind!r} is not supported by pagedkv (supported: "
@@ -121,10 +122,11 @@ def chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
         if kind != "function":
             raise InvalidField(f"{where}.type", f"{where}: only function tools are supported by pagedkv, got "
                                f"{kind!r} (this server runs no hosted tools)")
+        tool = {key: value for key, value in tool.items() if value is not None}
         extra = sorted(set(tool) - _TOOL_KEYS)
         if extra:
             raise InvalidField(f"{where}.{extra[0]}", f"{where}.{extra[0]} is not supported by pagedkv")
-        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}})
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 
 

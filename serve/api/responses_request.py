@@ -10,6 +10,7 @@ sampling extras on this endpoint (``seed``, ``stop``, ``top_k``, ...) are accept
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -159,10 +160,10 @@ def responses_name(param: str | None) -> str | None:
 
 def responses_error(exc: InvalidField) -> InvalidField:
     """The same refusal, naming the Responses field the client sent rather than its chat equivalent."""
-    param = responses_name(exc.param)
-    message = exc.message
-    if exc.param and param != exc.param:
-        message = message.replace(exc.param, param or "", 1)
-    if param == "max_output_tokens":
-        message = message.replace("max_tokens", "max_output_tokens", 1)
+    param, message = responses_name(exc.param), exc.message
+    if exc.param and exc.param.startswith("response_format"):  # the grammar compiler names its own field
+        message = message.replace("structured_outputs", "text.format")
+    for chat, ours in CHAT_NAMES[1:]:
+        message = message.replace(chat, ours)
+    message = re.sub(r"(tools\[\d+\])\.function", r"\1", message)
     return InvalidField(param, message, exc.status, exc.kind)
