@@ -9,7 +9,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 from serve_helpers import MODEL, running_server
 
 from pagedkv.core.config import EngineConfig
@@ -135,15 +136,19 @@ def test_the_stream_sends_the_events_in_order_and_the_usage_last(client):
     assert final.usage.total_tokens == final.usage.input_tokens + final.usage.output_tokens
 
 
-def test_the_raw_stream_is_framed_as_event_and_data_lines(served):
-    with httpx.stream("POST", served[0] + "/v1/responses", json={"model": MODEL, "input": "Hi", "stream": True,
-                                                                "max_output_tokens": 2}) as response:
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS, "tool_choice": NAMED, "max_output_tokens": 80}])
+def test_the_raw_answers_validate_as_the_sdk_types(served, extra):
+    """The SDK reads answers leniently; its pydantic types, validated strictly here, catch a missing field."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "temperature": 1.0, "seed": 1, **extra}
+    Response.model_validate(httpx.post(served[0] + "/v1/responses", json=body).json())
+    with httpx.stream("POST", served[0] + "/v1/responses", json={**body, "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         blocks = "".join(response.iter_text()).strip().split("\n\n")
+    events = TypeAdapter(ResponseStreamEvent)
     for block in blocks:
         event, data = block.split("\n")
         assert event.startswith("event: ") and data.startswith("data: ")
-        assert json.loads(data[len("data: "):])["type"] == event[len("event: "):]
+        assert events.validate_python(json.loads(data[len("data: "):])).type == event[len("event: "):]
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -227,3 +232,23 @@ def test_the_chat_request_carries_every_setting():
     assert chat.include_usage and chat.response_format == {"type": "json_object"}
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert chat.tools[0]["function"]["parameters"] == WEATHER
+
+
+def test_auto_tool_choice_gives_a_message_then_a_call_streamed_or_not(client):
+    """The grammar makes the random model write text and a hermes call; the items come in that order."""
+    hermes = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+              r'\{"city": "[a-z]{3,6}", "unit": "(c|f)"\}\}</tool_call>')
+    kwargs = dict(model=MODEL, input="x", tools=TOOLS, max_output_tokens=120, temperature=1.0,
+                  extra_body={"seed": 5, "structured_outputs": {"regex": hermes}})
+    whole = client.responses.create(**kwargs)
+    message, call = whole.output
+    assert whole.output_text == "Sure. " and message.type == "message"
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    events = list(client.responses.create(stream=True, **kwargs))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+    assert added == done == [(0, "message"), (1, "function_call")]
+    final = events[-1].response
+    assert final.output_text == "Sure. " and final.output[1].arguments == call.arguments
+    assert final.output[1].call_id.startswith("call_")
