@@ -252,3 +252,42 @@ def test_auto_tool_choice_gives_a_message_then_a_call_streamed_or_not(client):
     final = events[-1].response
     assert final.output_text == "Sure. " and final.output[1].arguments == call.arguments
     assert final.output[1].call_id.startswith("call_")
+
+
+def test_the_agents_sdk_default_model_runs_a_tool_round_trip(served):
+    """The OpenAI Agents SDK's default model speaks the Responses API: each turn sends the earlier function_call and
+    function_call_output items back, so three answered turns are three accepted round trips."""
+    agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK is not installed (pip install openai-agents)")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        cities.append(city)
+        return "sunny"
+
+    hermes = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,6}"\}\}</tool_call>'
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+        model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
+        settings = agents.ModelSettings(max_tokens=100, temperature=1.0,
+                                        extra_body={"seed": 1, "structured_outputs": {"regex": hermes}})
+        agent = agents.Agent(name="a", instructions="Use tools.", tools=[get_weather], model=model,
+                             model_settings=settings)
+        with pytest.raises(agents.exceptions.MaxTurnsExceeded):
+            await agents.Runner.run(agent, "Weather in Paris?", max_turns=3)
+        plain = agents.Agent(name="b", model=model, model_settings=agents.ModelSettings(
+            max_tokens=8, extra_body={"structured_outputs": {"regex": "[a-z]{3}"}}))
+        streamed = agents.Runner.run_streamed(plain, "Hi")
+        async for _ in streamed.stream_events():
+            pass
+        await client.close()
+        return streamed.final_output
+
+    final = asyncio.run(run())
+    assert len(cities) == 3 and all(3 <= len(city) <= 6 for city in cities)
+    assert len(final) == 3
