@@ -42,6 +42,7 @@ from pagedkv.serve.http.admission import (
 from pagedkv.serve.http.metrics import ServerMetrics
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.responses import Job, collect, stream_events
+from pagedkv.serve.responses_api import add_responses_route
 from pagedkv.serve.structured_request import Parsers, compile_check
 from pagedkv.serve.tokenizer_routes import add_tokenizer_routes, decode_ids
 
@@ -159,6 +160,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await _guarded(_chat(state, request))
 
+    add_responses_route(v1, state, _answer, _guarded)
     app.include_router(v1)
     add_tokenizer_routes(app, state, check_key)
     if state.enable_docs:
