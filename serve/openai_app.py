@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions, /v1/responses (``responses_api``) and /v1/models,
+plus /health and /metrics.
 
 The API key is checked before the body is read; the body is then read, parsed and
 tokenized with bounded work off the event loop (``admission``); the engine thread only
