@@ -8,7 +8,6 @@ from pydantic import Field
 
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sample.structured_output import StructuredOutputs
-
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.generation import GenerationRequest
 
