@@ -67,7 +67,7 @@ class Job:
         """(the prompt's ids, their logprobs entries) that lead a completion's logprobs under ``echo``."""
         if self.chat or not self.echo or self.logprobs is None or out.prompt_logprobs is None:
             return None
-        return list(out.prompt_token_ids), list(out.prompt_logprobs)
+        return out.prompt_token_ids, out.prompt_logprobs
 
     def logprobs_of(self, completion: Any, start: int = 0, end: int | None = None, offset: int = 0,
                     prompt: tuple[list[int], list[Any]] | None = None) -> Any:
