@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("model_tag", nargs="?", default=None, metavar="MODEL",
       help="the model, as `vllm serve MODEL` takes it (same as --model)%(default).0s")
     a("--served-model-name", nargs="+", default=None, metavar="NAME",
-      help="the model id(s) clients send; responses carry the first (default: the model's name)%(default).0s")
+      help="the model id(s) clients send; responses carry the first (default: the model argument as "
+      "given, and its basename)%(default).0s")
     a("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
     a("--port", type=int, default=8000, help="(default: %(default)s)")
     a("--api-key", default=None,
@@ -139,13 +140,19 @@ def _load_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]] | None:
     return engine, defaults
 
 
+def default_served_names(model: str) -> list[str]:
+    """Without --served-model-name: the model argument as given (vLLM's name, what clients started with it
+    send), then its directory's basename, which pagedkv answered to alone before."""
+    basename = os.path.basename(os.path.normpath(model))
+    return [model] if basename in ("", model) else [model, basename]
+
+
 def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults: dict[str, Any]) -> None:
     """Run the server for ``engine`` until a signal stops it."""
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
     from pagedkv.serve.server import make_server
 
-    names = args.served_model_name or [
-        os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL]
+    names = args.served_model_name or default_served_names(args.model or DEFAULT_MODEL)
     name = names[0]
     print(engine.capacity_line(), file=sys.stderr, flush=True)
     server = make_server(engine, name, host=args.host, port=args.port, log_level=args.log_level, api_key=api_key,

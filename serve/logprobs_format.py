@@ -49,20 +49,29 @@ def _value(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int, texts: TokenTexts,
-                        offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset`` is where the first token's text starts."""
-    tokens, values, tops, offsets = [], [], [], []
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float] | None], k: int,
+                        texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset`` is where the first token's text starts.
+
+    An entry of None (an echoed prompt's first token: nothing predicts it) is ``null`` in both lists."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token, entry in zip(token_ids, entries):
         text = texts.get(token)[0]
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
         values.append(_value(entry[token]))
         top: dict[str, float] = {}
         for t, v in _top(entry, k):  # two ids with one text (two partial characters): the likelier one stays
             top.setdefault(texts.get(t)[0], _value(v))
         tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -82,12 +91,19 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]],
 
 def prompt_logprobs_json(entries: Sequence[dict[int, float] | None] | None,
                          texts: TokenTexts) -> list[dict[str, Any] | None] | None:
-    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{id: {logprob, rank?, decoded_token}}``."""
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{id: {logprob, rank, decoded_token}}``;
+    ``rank`` is 1-based in the vocabulary (left out for an entry that does not know its ranks)."""
     if entries is None:
         return None
-    return [None if entry is None else {
-        str(t): {"logprob": _value(v), "decoded_token": texts.get(t)[0]} for t, v in entry.items()
-    } for entry in entries]
+    result: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranks = getattr(entry, "ranks", {})
+        result.append({str(t): {"logprob": _value(v), **({"rank": ranks[t]} if t in ranks else {}),
+                                "decoded_token": texts.get(t)[0]} for t, v in entry.items()})
+    return result
 
 
 _BYTE_TABLE: dict[str, int] = {}

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.serve.api.chat import ChatCompletionRequest
-from pagedkv.serve.api.completion import CompletionRequest
+from pagedkv.serve.api.completion import ServedCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
 from pagedkv.serve.api.generation import GenerationRequest
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
@@ -218,7 +218,7 @@ async def _guarded(work: Any) -> Response:
 
 
 async def _completions(state: ServerState, request: Request) -> Response:
-    body = await validated_body(state, request, CompletionRequest)
+    body = await validated_body(state, request, ServedCompletionRequest)
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
@@ -285,7 +285,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     job = Job(body.chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
               echo=echo, prompt_ids=prompts if body.return_token_ids else None,
-              shaper=shaper, continuous_usage=body.continuous_usage)
+              shaper=shaper, continuous_usage=body.continuous_usage, echo_only=getattr(body, "echo_only", False))
     options = body.engine_options()
     engine_prefix = f"{response_id}-{uuid.uuid4().hex[:8]}" if body.request_id else response_id
     try:

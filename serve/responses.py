@@ -4,12 +4,16 @@ A request here is one or more engine requests (one per prompt, each with ``n`` s
 choice ``i`` of prompt ``p`` is OpenAI choice ``p * n + i``. Streams send only new text
 per chunk; with stop strings the last ``len(stop) - 1`` characters wait until the next
 output, so text that turns out to be the start of a stop string is never sent. With
-``logprobs``, each chunk carries the logprobs of the tokens that arrived since the last chunk.
+``logprobs``, each chunk carries the logprobs of the tokens that arrived since the last chunk; with
+``echo`` too, a completion's first chunk (or its whole answer) starts with the prompt's tokens' logprobs.
+A streamed chat's role chunks go out with the first token, not at admission: a client timing the
+first chunk measures the time to the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +47,7 @@ class Job:
     prompt_ids: list[list[int]] | None = None  # per prompt, when the request asked for return_token_ids
     continuous_usage: bool = False  # usage so far on every streamed chunk (continuous_usage_stats)
     cached: dict[int, int] = field(default_factory=dict)  # prompt index -> its tokens found in the prefix cache
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, the one token sampled left out
 
     def close(self) -> None:
         for handle in self.handles:
@@ -51,11 +56,28 @@ class Job:
             if forget is not None:
                 forget(handle.request_id)
 
-    def logprobs_of(self, completion: Any, start: int = 0, end: int | None = None, offset: int = 0) -> Any:
-        """The OpenAI logprobs object for tokens ``start:end`` of a choice (None unless asked for)."""
+    def visible(self, completion: Any) -> Any:
+        """A choice as the answer shows it: with ``echo_only``, without the token the engine had to sample."""
+        if not self.echo_only:
+            return completion
+        return dataclasses.replace(completion, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if completion.logprobs is None else [])
+
+    def echoed(self, out: Any) -> tuple[list[int], list[Any]] | None:
+        """(the prompt's ids, their logprobs entries) that lead a completion's logprobs under ``echo``."""
+        if self.chat or not self.echo or self.logprobs is None or out.prompt_logprobs is None:
+            return None
+        return out.prompt_token_ids, out.prompt_logprobs
+
+    def logprobs_of(self, completion: Any, start: int = 0, end: int | None = None, offset: int = 0,
+                    prompt: tuple[list[int], list[Any]] | None = None) -> Any:
+        """The OpenAI logprobs object for tokens ``start:end`` of a choice (None unless asked for), after the
+        ``prompt`` tokens' when given (the echo)."""
         if self.logprobs is None or completion.logprobs is None:
             return None
-        ids, entries = completion.token_ids[start:end], completion.logprobs[start:end]
+        ids, entries = list(completion.token_ids[start:end]), list(completion.logprobs[start:end])
+        if prompt is not None:
+            ids, entries = [*prompt[0], *ids], [*prompt[1], *entries]
         if self.chat:
             return chat_logprobs(ids, entries, self.logprobs, self.texts)
         return completion_logprobs(ids, entries, self.logprobs, self.texts, offset)
@@ -156,9 +178,11 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
         for c in finals[p].outputs:
             if (error := _error_of(c)) is not None:
                 return 500, error_body(error, "internal_server_error", code=500)
+            c = job.visible(c)
             completion_tokens += len(c.token_ids)
             finish = c.finish_reason if c.finish_reason is not None or not aborted else "abort"
-            choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": job.logprobs_of(c),
+            logprobs = job.logprobs_of(c, prompt=job.echoed(finals[p]))
+            choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": logprobs,
                                       "finish_reason": finish, "stop_reason": c.stop_reason}
             text = (job.echo[p] if job.echo else "") + c.text
             if job.chat and job.shaper is not None:
@@ -214,12 +238,21 @@ class _Stream:
         self.deltas: dict[int, ChatDeltas] = {}  # choice index -> its parsed deltas (with a shaper)
         self.token_ids_sent: dict[int, int] = {}  # choice index -> token ids that went out (return_token_ids)
         self.started: set[int] = set()  # choices whose first chunk went out (echo, prompt_token_ids)
+        self.roles_sent = not job.chat  # a chat's role chunks wait for the first token
 
     def usage(self) -> dict[str, Any]:
         return _usage(self.job.prompt_tokens, sum(self.tokens.values()), sum(self.job.cached.values()))
 
-    def advance(self, index: int, c: Any) -> str | None:
-        """The chunk for choice ``index``'s latest output ``c`` (None: nothing new to send yet)."""
+    def roles(self) -> list[str]:
+        """Each chat choice's role chunk, the first time this is asked (nothing after, nor for completions)."""
+        if self.roles_sent:
+            return []
+        self.roles_sent = True
+        return [self.chunk(index, None, None, role=True) for index in range(len(self.job.handles) * self.job.n)]
+
+    def advance(self, index: int, c: Any, prompt: tuple[list[int], list[Any]] | None = None) -> str | None:
+        """The chunk for choice ``index``'s latest output ``c`` (None: nothing new to send yet); ``prompt``:
+        the echoed prompt's ids and logprobs, which lead the choice's first chunk."""
         job = self.job
         self.tokens[index] = len(c.token_ids)
         finished = c.finish_reason is not None
@@ -234,16 +267,17 @@ class _Stream:
             reason = c.finish_reason
             if fields is not None and self.deltas[index].calls and reason == "stop":
                 reason = "tool_calls"
-            return self.chunk(index, text, reason, c.stop_reason, logprobs=self._new_logprobs(index, c), c=c,
+            return self.chunk(index, text, reason, c.stop_reason, logprobs=self._new_logprobs(index, c, prompt), c=c,
                               fields=fields)
         if (fields if fields is not None else text) or (index not in self.started and job.echo):
-            return self.chunk(index, text, None, logprobs=self._new_logprobs(index, c), c=c, fields=fields)
+            return self.chunk(index, text, None, logprobs=self._new_logprobs(index, c, prompt), c=c, fields=fields)
         return None
 
-    def _new_logprobs(self, index: int, c: Any) -> Any:
+    def _new_logprobs(self, index: int, c: Any, prompt: tuple[list[int], list[Any]] | None) -> Any:
         start, end = self.logprobs_sent.get(index, 0), len(c.token_ids)
         self.logprobs_sent[index] = end
-        result = self.job.logprobs_of(c, start, end, self.text_offset.get(index, 0))
+        prompt = prompt if index not in self.started else None  # (the chunk marks it started afterwards)
+        result = self.job.logprobs_of(c, start, end, self.text_offset.get(index, 0), prompt)
         if result is not None and not self.job.chat:
             self.text_offset[index] = self.text_offset.get(index, 0) + sum(map(len, result["tokens"]))
         return result
@@ -291,12 +325,14 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
     stream = _Stream(job, include_usage)
     choices = len(job.handles) * job.n
     try:
-        if job.chat:
-            for index in range(choices):
-                yield stream.chunk(index, None, None, role=True)
         try:
             async for p, out in _merged(job):
                 job.cached[p] = out.num_cached_tokens
+                if not stream.roles_sent and not (out.finished or any(c.token_ids for c in out.outputs)):
+                    continue  # prefill still running: nothing exists to send yet
+                for chunk in stream.roles():
+                    yield chunk
+                prompt = job.echoed(out)
                 for c in out.outputs:
                     index = p * job.n + c.index
                     if index in stream.done:
@@ -305,16 +341,22 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                         yield _sse(error_body(error, "internal_server_error", code=500))
                         yield "data: [DONE]\n\n"
                         return
-                    if (chunk := stream.advance(index, c)) is not None:
+                    if (chunk := stream.advance(index, job.visible(c), prompt)) is not None:
                         yield chunk
         except RequestFailed as exc:
+            for chunk in stream.roles():
+                yield chunk
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
             yield "data: [DONE]\n\n"
             return
         except Aborted:  # the server is stopping: every open choice ends here, cleanly
+            for chunk in stream.roles():
+                yield chunk
             for index in range(choices):
                 if index not in stream.done:
                     yield stream.chunk(index, None, "abort")
+        for chunk in stream.roles():  # (a stream that ended without any output)
+            yield chunk
         if include_usage:
             yield _sse({**stream.head, "choices": [], "usage": stream.usage()})
         yield "data: [DONE]\n\n"

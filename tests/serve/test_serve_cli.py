@@ -119,3 +119,31 @@ def test_telemetry_from_a_running_server_then_sigint_lets_in_flight_requests_fin
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_model_answers_to_the_argument_as_given_and_to_its_basename(model_dir):
+    proc, url = start(model_dir)
+    try:
+        as_given = str(model_dir)
+        listed = [card["id"] for card in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+        assert listed == [as_given, model_dir.name]  # vLLM's default name first
+        for name in listed:
+            answer = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
+                                timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == as_given
+        assert httpx.get(url + f"/v1/models/{model_dir.name}", timeout=10).status_code == 200
+        other = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 2},
+                           timeout=60)
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_default_served_names():
+    from pagedkv.cli.serve import default_served_names
+
+    assert default_served_names("/models/tiny/") == ["/models/tiny/", "tiny"]
+    assert default_served_names("org/Model-1B") == ["org/Model-1B", "Model-1B"]
+    assert default_served_names("tiny") == ["tiny"]

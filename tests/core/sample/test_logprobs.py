@@ -121,3 +121,19 @@ def test_forked_samples_get_their_own_logprobs_next_to_prompt_rows(tiny_llama, c
         out = llm.generate([prompt], params)[0]
         check_request(tiny_llama, out, 2, 1)
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_ranked_entries_know_each_ids_vocabulary_rank_and_survive_pickling():
+    import pickle
+
+    from pagedkv.core.sample.logprobs import RankedLogprobs, token_logprobs
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 2.5], [5.0, 4.0, 3.0, 2.0, 1.0], [1.0, 0.0, 1.0, 0.0, 0.0]])
+    first, second, tied = token_logprobs(logits, [2, 0, 0], [2, 2, 0], ranked=True)
+    assert isinstance(first, RankedLogprobs) and list(first) == [2, 1, 4]
+    assert first.ranks == {2: 4, 1: 1, 4: 2}
+    assert second.ranks == {0: 1, 1: 2}  # the given id among the top ranks by its place
+    assert tied.ranks == {0: 2}  # an id as likely counts above it (vLLM's rank)
+    again = pickle.loads(pickle.dumps(first))
+    assert again == first and again.ranks == first.ranks
+    assert not hasattr(token_logprobs(logits, [2, 0], [1, 1])[0], "ranks")  # generated tokens: plain dicts
