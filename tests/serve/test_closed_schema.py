@@ -104,3 +104,26 @@ def test_a_forced_tool_choice_supersedes_response_format(choice):
         "name": "answer", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}}})
     constraint, source = combined_constraint(structured, field, choice, TOOLS)
     assert source == "tool_choice" and constraint == forced_constraint(choice, TOOLS)
+
+
+def test_all_of_members_are_one_object_closed_as_a_whole():
+    a = {"type": "object", "properties": {"a": {"type": "integer"}, "deep": {"properties": {"x": {}}}},
+         "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    out = closed_schema({"allOf": [a, b]})
+    assert out["additionalProperties"] is False and set(out["properties"]) == {"a", "b", "deep"}
+    assert "additionalProperties" not in out["allOf"][0] and "additionalProperties" not in out["allOf"][1]
+    assert out["allOf"][0]["properties"]["deep"]["additionalProperties"] is False
+    # a member that lets other keys in keeps the whole open
+    opened = closed_schema({"allOf": [a, {**b, "additionalProperties": True}]})
+    assert "additionalProperties" not in opened
+
+
+def test_a_closed_all_of_compiles_and_holds_every_member_key():
+    llguidance = pytest.importorskip("llguidance")
+    import json
+
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_schema({"allOf": [a, b]})))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""

@@ -101,3 +101,11 @@ def test_allowing_additional_properties_gives_the_open_schema_back():
     assert all(finish == "stop" and set(json.loads(text)) == {"city"} for text, finish in generate(closed))
     opened = generate(allowed)
     assert any(finish == "length" or len(json.loads(text)) > 1 for text, finish in opened), opened
+
+
+def test_an_all_of_intersection_holds_every_member_key_and_no_other():
+    a = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"enum": [3, 4]}}, "required": ["b"]}
+    constraint, _ = structured_from_body({"guided_json": {"allOf": [a, b]}})
+    for text, finish in generate(constraint):
+        assert finish == "stop" and set(json.loads(text)) == {"a", "b"}, text
