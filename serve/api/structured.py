@@ -4,15 +4,18 @@ OpenAI's ``response_format`` (``json_object``, ``json_schema`` with ``strict``),
 ``{json, regex, choice, grammar, json_object}`` and its legacy ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``, declared on both generation endpoints (``StructuredFields``); a bad
 value raises ``InvalidField`` naming the field. Two constraints in one request are refused, not merged.
+JSON schemas come out closed to unlisted keys (``closed_schema``) unless the server allows them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.structured_output import StructuredOutputs
+from pagedkv.serve.api.closed_schema import closed_schema
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.strict_body import StrictBody
 
@@ -33,13 +36,15 @@ class StructuredFields(StrictBody):
     guided_decoding_backend: str | None = None  # auto or guidance only: the server's backend compiles
     guided_whitespace_pattern: str | None = None
 
-    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+    def structured(self, allow_additional_properties: bool = False) -> tuple[StructuredOutputs | None, str | None]:
         """(the constraint, the field naming it); raises ``InvalidField``."""
-        return structured_from_body(self.model_dump(include=set(FIELDS)))
+        return structured_from_body(self.model_dump(include=set(FIELDS)), allow_additional_properties)
 
 
-def structured_from_body(body: Mapping[str, Any]) -> tuple[StructuredOutputs | None, str | None]:
-    """(the constraint, the field that gave it), or (None, None) when the body asks for none."""
+def structured_from_body(body: Mapping[str, Any], allow_additional_properties: bool = False
+                         ) -> tuple[StructuredOutputs | None, str | None]:
+    """(the constraint, the field that gave it), or (None, None) when the body asks for none.
+    ``allow_additional_properties``: leave JSON schemas as given (unlisted keys allowed where unset)."""
     found: list[tuple[StructuredOutputs, str]] = []
     response_format = body.get("response_format")
     if response_format is not None:
@@ -51,6 +56,8 @@ def structured_from_body(body: Mapping[str, Any]) -> tuple[StructuredOutputs | N
     for name, kind in LEGACY.items():
         if body.get(name) is not None:
             found.append((_make(name, {kind: body[name]}), name))
+    if not allow_additional_properties:
+        found = [(closed_constraint(constraint), field) for constraint, field in found]
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in ("auto", "guidance"):
         raise InvalidField("guided_decoding_backend", f"guided_decoding_backend {backend!r} is not available: this "
@@ -61,6 +68,13 @@ def structured_from_body(body: Mapping[str, Any]) -> tuple[StructuredOutputs | N
     if len(found) > 1:
         raise InvalidField(found[1][1], f"{found[1][1]} cannot be combined with {found[0][1]}: give one constraint")
     return found[0] if found else (None, None)
+
+
+def closed_constraint(constraint: StructuredOutputs) -> StructuredOutputs:
+    """``constraint`` with its JSON schema closed to unlisted keys (any other kind as it is)."""
+    if constraint.kind != "json":
+        return constraint
+    return dataclasses.replace(constraint, json=closed_schema(constraint.json))
 
 
 def _response_format(value: Any) -> StructuredOutputs | None:

@@ -3,7 +3,9 @@
 ``tool_choice`` (vLLM's semantics): ``none`` renders the tools but parses nothing; ``auto`` (the default when
 tools are given) lets the model answer or call, parsed from its text by the server's ``--tool-call-parser``;
 ``required`` constrains the output to a JSON array of ``{"name", "parameters"}`` calls, and a named function
-to that function's arguments, both with a grammar, so the calls always parse.
+to that function's arguments, both with a grammar, so the calls always parse. Such a grammar is the
+request's constraint: a ``response_format`` beside it is superseded (as in OpenAI's API and vLLM), while
+vLLM's explicit ``structured_outputs`` / ``guided_*`` beside it are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.sample.structured_output import StructuredOutputs
+from pagedkv.serve.api.closed_schema import closed_schema
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.strict_body import StrictBody
 
@@ -88,25 +91,33 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
-def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> StructuredOutputs | None:
-    """The grammar of a ``required`` or named choice (None otherwise)."""
+def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]], allow_additional_properties: bool = False
+                      ) -> StructuredOutputs | None:
+    """The grammar of a ``required`` or named choice (None otherwise); the parameters' schemas are closed to
+    unlisted keys unless ``allow_additional_properties``."""
+    def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+        schema = _parameters(tool)
+        return schema if allow_additional_properties else closed_schema(schema)
+
     if choice.mode == "named":
         tool = next(t for t in tools if t["function"]["name"] == choice.name)
-        return StructuredOutputs(json=_parameters(tool))
+        return StructuredOutputs(json=parameters(tool))
     if choice.mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
 
 
 def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,
-                        tools: list[dict[str, Any]]) -> tuple[StructuredOutputs | None, str | None]:
-    """A body's own constraint, or a forced tool choice's (not both), with the field it came from."""
-    forced = forced_constraint(choice, tools) if choice is not None else None
+                        tools: list[dict[str, Any]], allow_additional_properties: bool = False
+                        ) -> tuple[StructuredOutputs | None, str | None]:
+    """A body's own constraint, or a forced tool choice's, with the field it came from. A forced choice's
+    grammar supersedes ``response_format``; an explicit grammar field beside it is refused."""
+    forced = forced_constraint(choice, tools, allow_additional_properties) if choice is not None else None
     if forced is not None:
-        if structured is not None:
-            raise InvalidField(field or "response_format", f"{field} cannot be combined with tool_choice "
-                                                           f"{choice.mode if choice else ''}")
+        if structured is not None and field != "response_format":
+            raise InvalidField(field, f"{field} cannot be combined with tool_choice "
+                                      f"{choice.mode if choice else ''}: the tool choice sets the grammar")
         return forced, "tool_choice"
     return structured, field

@@ -42,3 +42,23 @@ def test_batch_lines_take_every_constraint_spelling_and_refuse_a_bad_one():
     assert by_id["bad"]["response"]["status_code"] == 400 and "nope" in by_id["bad"]["error"]["message"]
     assert "cannot be combined" in by_id["two"]["error"]["message"]
     assert engine.pool.num_used == 0
+
+
+def test_batch_lines_close_schemas_to_unlisted_keys_as_the_server_does():
+    engine = Engine(EngineConfig(device="cpu", num_blocks=512, block_size=8),
+                    model=tiny_llama(vocab_size=BYTE_VOCAB, num_hidden_layers=1), tokenizer=byte_tokenizer())
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "find", "parameters": city}}]
+    lines = [line(f"schema-{seed}", "/v1/chat/completions", seed=seed, max_tokens=60,
+                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": city}})
+             for seed in range(8)]
+    lines += [line(f"tool-{seed}", "/v1/chat/completions", seed=seed, max_tokens=60, tools=tools,
+                   tool_choice={"type": "function", "function": {"name": "find"}}) for seed in range(8)]
+    written = []
+    assert run_batch(engine, lines, written.append, "tiny") == (16, 0)
+    for w in written:
+        choice = w["response"]["body"]["choices"][0]
+        message = choice["message"]
+        text = message["content"] if w["custom_id"].startswith("schema") else \
+            message["tool_calls"][0]["function"]["arguments"]
+        assert choice["finish_reason"] in ("stop", "tool_calls") and set(json.loads(text)) == {"city"}, text
