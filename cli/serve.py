@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: none)%(default).0s")
     a("--reasoning-parser", default=None,
       help="split the thinking into reasoning_content: deepseek_r1, qwen3 (or a plugin's) (default: none)%(default).0s")
+    a("--structured-outputs-allow-additional-properties", action="store_true",
+      help="compile JSON schemas as given: an object schema that leaves additionalProperties unset lets the model "
+      "add unlisted keys (default: off: such keys are forbidden, as by vLLM's default grammar backend)")
     add_engine_arguments(parser, prefix_caching=True)
 
 
@@ -163,6 +166,7 @@ def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults:
                          limit_concurrency=args.limit_concurrency, enable_docs=args.enable_docs,
                          served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+                         allow_additional_properties=args.structured_outputs_allow_additional_properties)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

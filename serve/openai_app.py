@@ -72,6 +72,7 @@ class ServerState:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    allow_additional_properties: bool = False  # JSON schemas as given, not closed to unlisted keys
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -234,14 +235,15 @@ async def _completions(state: ServerState, request: Request) -> Response:
     echo = None
     if body.echo:
         echo = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state, prompts)
-    return await _answer(state, request, body, encoded, "prompt", echo=echo, structured=body.constraint())
+    return await _answer(state, request, body, encoded, "prompt", echo=echo, structured=body.constraint(
+        allow_additional_properties=state.allow_additional_properties))
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
     body = await validated_body(state, request, ChatCompletionRequest)
     tools, choice = body.tool_setup()
     state.parsers.check_choice(choice)
-    structured = body.constraint(choice, tools)
+    structured = body.constraint(choice, tools, state.allow_additional_properties)
     conversation = body.conversation()
     check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     arguments = {**body.template_arguments(), "tools": tools or None}

@@ -27,7 +27,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 enable_docs: bool = False, served_model_names: list[str] | None = None,
                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
                 metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
-                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Any:
+                enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+                allow_additional_properties: bool = False) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -44,7 +45,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                         max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
                         served_model_names=served_model_names, sampling_defaults=sampling_defaults,
                         max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
-                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
+                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser,
+                        allow_additional_properties=allow_additional_properties)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug", http=guarded_protocol(header_timeout, send_timeout),

@@ -126,11 +126,12 @@ class GenerationRequest(VllmFields, StructuredFields):
         wanted = self.wanted_max_tokens()
         return default if wanted is None else wanted
 
-    def constraint(self, choice: ToolChoice | None = None, tools: list[dict[str, Any]] | None = None
-                   ) -> tuple[StructuredOutputs | None, str | None]:
-        """(the output constraint, the field it came from): the body's own, or a forced tool choice's."""
-        structured, field = self.structured()
-        return combined_constraint(structured, field, choice, tools or [])
+    def constraint(self, choice: ToolChoice | None = None, tools: list[dict[str, Any]] | None = None,
+                   allow_additional_properties: bool = False) -> tuple[StructuredOutputs | None, str | None]:
+        """(the output constraint, the field it came from): the body's own, or a forced tool choice's; JSON
+        schemas closed to unlisted keys unless ``allow_additional_properties``."""
+        structured, field = self.structured(allow_additional_properties)
+        return combined_constraint(structured, field, choice, tools or [], allow_additional_properties)
 
     def to_sampling_params(self, max_tokens: int, vocab_size: int | None = None,
                            defaults: dict[str, Any] | None = None,

@@ -59,6 +59,9 @@ FLAGS = [
      "config.plugin_options", {"telemetry": {"keyframe_steps": 10, "name": "x"}}),
     (["serve", "--metrics-prefix", "vllm"], "args.metrics_prefix", "vllm"),
     (["serve", "--enable-prompt-tokens-details"], "args.enable_prompt_tokens_details", True),
+    (["serve"], "args.structured_outputs_allow_additional_properties", False),
+    (["serve", "--structured-outputs-allow-additional-properties"],
+     "args.structured_outputs_allow_additional_properties", True),
 ]
 
 

@@ -109,3 +109,12 @@ def test_an_all_of_intersection_holds_every_member_key_and_no_other():
     constraint, _ = structured_from_body({"guided_json": {"allOf": [a, b]}})
     for text, finish in generate(constraint):
         assert finish == "stop" and set(json.loads(text)) == {"a", "b"}, text
+
+
+def test_the_server_option_allows_unlisted_keys_again():
+    with running_server(engine(), allow_additional_properties=True) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Where?"}],
+                                              n=SEEDS, max_tokens=60, temperature=1.0, seed=7,
+                                              extra_body=response_format(CITY))
+    assert any(c.finish_reason == "length" or len(json.loads(c.message.content)) > 1 for c in chat.choices)
