@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.hookspecs import hookimpl
-from pagedkv.core.sample.grammar_backend import GrammarError
+from pagedkv.core.sample.grammar_backend import GrammarError, new_bitmask
 from pagedkv.core.sample.structured_output import StructuredOutputs
 
 NAME = "guidance"
@@ -77,6 +77,7 @@ class GuidanceBackend:
         except ValueError as exc:
             raise GrammarError(f"llguidance cannot use this tokenizer: {exc}") from exc
         self.executor = llguidance.LLExecutor()
+        self.vocab_size = vocab_size
 
     def grammar_text(self, constraint: StructuredOutputs) -> str:
         """The constraint in llguidance's grammar form."""
@@ -92,7 +93,10 @@ class GuidanceBackend:
         if kind == "regex":
             return matcher.grammar_from_regex(constraint.regex)
         if kind == "choice":
-            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choice))
+            # one terminal, so the lexer's automaton holds the choices: as rule alternatives each is a parser
+            # item, and llguidance's parser refuses a row of more than 2,000 items in the middle of a stream
+            return matcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c)
+                                                                                  for c in constraint.choice))
         try:
             return self._ll.grammar_from("grammar", constraint.grammar)  # Lark, or GBNF converted to it
         except ValueError as exc:
@@ -106,7 +110,24 @@ class GuidanceBackend:
         start = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
         if start.is_error():
             raise GrammarError(_first_line(start.get_error()))
+        self._first_step(start.deep_copy())
         return GuidanceGrammar(start)
+
+    def _first_step(self, probe: Any) -> None:
+        """One mask and one token on a copy of the start: a grammar that admits no text (``[^\\s\\S]``, a
+        ``$ref`` loop) or whose forced text never ends (``start: "a" start``) fails here, as the client's
+        mistake, not on the step loop as a server error."""
+        mask = new_bitmask(1, self.vocab_size)
+        probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
+        words = mask[0].nonzero()
+        if probe.is_error() or not len(words):
+            reason = _first_line(probe.get_error()) if probe.is_error() else "no token is allowed"
+            raise GrammarError(f"the constraint admits no text ({reason})")
+        word = int(words[0])
+        bits = int(mask[0, word]) & 0xFFFFFFFF
+        token = word * 32 + (bits & -bits).bit_length() - 1
+        if not probe.consume_token(token):
+            raise GrammarError(f"the constraint admits no finite text ({_first_line(probe.get_error())})")
 
     def fill_bitmask(self, matchers: SequenceOf[GuidanceMatcher], bitmask: torch.Tensor) -> None:
         if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not bitmask.is_contiguous():

@@ -62,4 +62,5 @@ async def compile_check(engine: Any, constraint: StructuredOutputs | None, field
     try:
         await asyncio.to_thread(engine.check_structured, constraint)
     except RequestRejected as exc:
-        raise InvalidField(field or "structured_outputs", str(exc)) from None
+        field = field or "structured_outputs"
+        raise InvalidField(field, str(exc).replace("structured_outputs", field, 1)) from None

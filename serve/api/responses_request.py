@@ -19,6 +19,7 @@ from pagedkv.serve.api.chat import ChatCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, validation_error_body
 from pagedkv.serve.api.responses_input import chat_tool_choice, chat_tools, input_messages
 from pagedkv.serve.api.strict_body import StrictBody
+from pagedkv.serve.api.vllm import PRIORITY_MAX, PRIORITY_MIN
 
 # fields refused by name, with why: the Responses API's stateful or hosted features
 REFUSED = {
@@ -72,7 +73,7 @@ class ResponsesRequest(StrictBody):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    priority: int | None = None
+    priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     cache_salt: str | None = None
     structured_outputs: dict[str, Any] | None = None
 

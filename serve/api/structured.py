@@ -21,6 +21,8 @@ from pagedkv.serve.api.strict_body import StrictBody
 
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+# vLLM sets no limit; each choice is a branch of the grammar compiled per request, so one is set
+MAX_CHOICES = 2_000
 FIELDS = ("response_format", "structured_outputs", *LEGACY, "guided_decoding_backend", "guided_whitespace_pattern")
 
 
@@ -115,6 +117,10 @@ def _structured_outputs(value: Any) -> StructuredOutputs:
 
 
 def _make(field: str, kwargs: dict[str, Any]) -> StructuredOutputs:
+    choice = kwargs.get("choice")
+    if isinstance(choice, list) and len(choice) > MAX_CHOICES:
+        raise InvalidField(field, f"{field}: a choice of {len(choice):,} entries is over pagedkv's limit of "
+                                  f"{MAX_CHOICES:,} (use a regex or a grammar)")
     try:
         return StructuredOutputs(**kwargs)
     except RequestRejected as exc:

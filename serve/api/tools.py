@@ -78,8 +78,9 @@ def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
         if choice != "none" and not tools:
             raise InvalidField("tool_choice", f"tool_choice {choice!r} needs tools")
         return ToolChoice(choice)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str):
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
         raise InvalidField("tool_choice", "tool_choice must be none, auto, required or "
                                         "{'type': 'function', 'function': {'name': ...}}")
     if name not in {t["function"]["name"] for t in tools}:

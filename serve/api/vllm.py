@@ -16,6 +16,10 @@ from pagedkv.serve.api.strict_body import StrictBody
 
 # Declared (so they are never silently dropped) but not implemented: a request that sets one answers
 # 400 naming it. Structured outputs (structured_outputs, guided_*) are in structured.py.
+# vLLM's ``priority`` is an unbounded int; here it is a 64-bit signed one, so a client cannot make the
+# scheduler order its queue by thousand-digit numbers, and every ordering a server needs still fits
+PRIORITY_MIN, PRIORITY_MAX = -2**63, 2**63 - 1
+
 REFUSED = {
     "structural_tag": "structural tags are not supported by pagedkv",
     "logits_processors": "per-request logits processors are not supported by pagedkv (write a plugin)",
@@ -40,7 +44,7 @@ class VllmFields(StrictBody):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    priority: int = 0
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     cache_salt: str | None = None
     return_token_ids: bool | None = None
     request_id: str | None = None
