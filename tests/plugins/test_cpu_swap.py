@@ -29,6 +29,9 @@ def test_the_plugin_is_the_engines_swap_space_and_the_runner_copies_into_its_hos
     runner = engine.runner
     assert len(runner.cpu_kv_caches) == len(runner.kv_caches)
     assert runner.cpu_kv_caches[0][0].shape[0] == swap.num_blocks == engine.kv_view().num_cpu_blocks
+    for k, v in runner.kv_caches:  # the cache starts unzeroed: garbage may hold NaN, which equals nothing
+        k[3].normal_()
+        v[7].normal_()
     before = [(k[3].clone(), v[7].clone()) for k, v in runner.kv_caches]
     engine.backend.swap_blocks(runner.kv_caches, runner.cpu_kv_caches, torch.tensor([[3, 0], [7, 1]]))
     for k, v in runner.kv_caches:
