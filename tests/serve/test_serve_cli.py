@@ -106,8 +106,10 @@ def test_telemetry_from_a_running_server_then_sigint_lets_in_flight_requests_fin
         try:
             refused = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=10)
             assert refused.status_code == 503
-        except httpx.ConnectError:
-            pass  # the listening socket is already closed: refused as well
+        except (httpx.ConnectError, httpx.ReadError):
+            # the listening socket is already closed, or it closed between the kernel's accept and the app's
+            # read and reset the connection: refused as well (the stream's end and the exit code still count)
+            pass
         rest = [line for line in lines if line.startswith("data:")]
         client.close()
         assert rest[-1] == "data: [DONE]"
