@@ -14,6 +14,7 @@ shared heads live longest).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.hookspecs import hookimpl
@@ -39,7 +40,9 @@ class PrefixCache:
         self.hit_tokens = 0
         self.recompute_hit_tokens = 0  # hits while re-running a preempted request: not real sharing
         self.evictions = 0
-        self._counted: set[tuple[int, int]] = set()  # (sequence, preemptions) already in the metrics
+        # sequence -> the preemption count of its admission attempt already in the metrics. Weak keys: an entry
+        # lives as long as its sequence, so the memory is bounded by the live requests, not by every request seen
+        self._counted: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     @hookimpl
     def pagedkv_engine_started(self, engine: Engine) -> None:
@@ -83,10 +86,9 @@ class PrefixCache:
                 break
             blocks.append(block_id)
         hit = len(blocks) * self.block_size
-        attempt = (seq.seq_id, seq.num_preemptions)
-        if attempt in self._counted:  # the queue head retries admission every step: count it once
-            return blocks
-        self._counted.add(attempt)
+        if self._counted.get(seq) == seq.num_preemptions:  # the queue head retries admission every step:
+            return blocks                                     # count each attempt once
+        self._counted[seq] = seq.num_preemptions
         if seq.num_preemptions:
             self.recompute_hit_tokens += hit
         else:

@@ -109,3 +109,15 @@ def test_a_hit_revives_cached_blocks_out_of_the_free_queue(tiny_llama):
     assert all(engine.pool.ref_counts[b] == 1 for b in held)
     run(engine, [], GREEDY)
     assert_all_blocks_back(engine)
+
+
+def test_admission_bookkeeping_is_bounded_by_live_sequences(tiny_llama):
+    """Issue 42 row 13: one entry per sequence ever admitted was kept forever (+8 MB per 100k requests)."""
+    engine = cache_engine(tiny_llama, 32, block_size=4)
+    cache = plugin(engine, "prefix_cache")
+    prompts = random_prompts([9] * 40, seed=25)
+    for start in range(0, len(prompts), 8):  # 40 requests, 8 at a time, all finished
+        run(engine, prompts[start:start + 8], SamplingParams(max_tokens=2))
+    assert cache.query_tokens == 40 * 9  # each admission still counted exactly once
+    assert len(cache._counted) == 0  # nothing is left of finished sequences
+    assert_all_blocks_back(engine)
