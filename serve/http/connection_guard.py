@@ -1,4 +1,4 @@
-"""Connection-level defences uvicorn lacks: a header-read deadline and a send deadline.
+"""Connection-level defences uvicorn lacks: a header-read deadline, a send deadline, and half-closed clients.
 
 uvicorn's h11 protocol arms its keep-alive timer (``timeout_keep_alive``, its only idle
 timeout) only after a response, and cancels it on any byte received, so a connection that
@@ -14,11 +14,19 @@ requests hold their sequences and KV blocks. As nginx's ``send_timeout``, when t
 transport sends nothing for ``send_timeout`` seconds the connection is aborted: uvicorn
 sees a disconnect, the stream ends, and its requests are aborted (their blocks freed).
 
-uvicorn has no public option for either, so :func:`guarded_protocol` subclasses its
+A client that half-closes its socket once its request is sent (``shutdown(SHUT_WR)``: curl with a
+piped body, ``nc -N``, some proxies) only says it will send nothing more. uvicorn's ``eof_received``
+returns None, which makes asyncio close the transport: the request saw a disconnect and the client
+got 0 bytes. :class:`HalfClose` keeps the transport open for writing when the EOF follows a complete
+request, answers it, then closes; an EOF anywhere else (no request yet, a body cut short) still closes.
+
+uvicorn has no public option for any of these, so :func:`guarded_protocol` subclasses its
 ``H11Protocol`` (passed as ``Config(http=...)``, which takes a protocol class). The send
 deadline uses only asyncio's public protocol callbacks; the header deadline reads two of
 ``H11Protocol``'s internals: ``cycle`` (a new object exactly when a request head is complete)
-and ``on_response_complete`` (called after each response). The ``serve`` extra pins the
+and ``on_response_complete`` (called after each response); the half-close reads ``conn`` (its h11
+connection, whose public ``their_state`` is DONE once a request is complete) and overrides
+``eof_received``. The ``serve`` extra pins the
 uvicorn versions this was checked against; ``tests/serve/test_serve_private_hooks.py`` fails,
 naming the attribute, when either changes shape.
 """
@@ -169,9 +177,38 @@ class HeaderDeadline:
             transport.close()
 
 
+class HalfClose:
+    """Answers a request whose client half-closed after sending it, then closes (see the module docstring).
+
+    A mixin over uvicorn's ``H11Protocol``: it reads ``cycle``, ``conn`` and ``transport``, overrides
+    ``eof_received`` and extends ``on_response_complete``.
+    """
+
+    cycle: Any
+    conn: Any
+    transport: Any
+    _peer_done = False  # the client sent EOF after a complete request: close once it is answered
+
+    def eof_received(self) -> bool | None:
+        import h11
+
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or self.conn.their_state is not h11.DONE:
+            return None  # no request waiting for its answer: asyncio closes the transport
+        self._peer_done = True
+        return True  # keep the transport open for writing (asyncio stops reading it)
+
+    def on_response_complete(self) -> None:
+        finished = self.cycle
+        super().on_response_complete()  # type: ignore[misc] - H11Protocol's; may start a pipelined request
+        if self._peer_done and self.cycle is finished and not self.transport.is_closing():
+            self.transport.close()  # flushes what is buffered first
+
+
 def guarded_protocol(header_timeout: float, send_timeout: float | None = None) -> type:
     """uvicorn's H11Protocol, closing a connection whose request headers take over ``header_timeout`` s,
-    and aborting one that accepts no response bytes for ``send_timeout`` s (None: never).
+    aborting one that accepts no response bytes for ``send_timeout`` s (None: never), and answering a
+    client that half-closed after its request.
 
     Its ``shed_waiting(count)`` closes the oldest connections only waiting for a request head (accept_guard
     calls it when the process is out of descriptors)."""
@@ -180,7 +217,7 @@ def guarded_protocol(header_timeout: float, send_timeout: float | None = None) -
     waiting = WaitingConnections()  # per server: the class is made once per Config
     namespace = {"header_timeout": header_timeout, "send_timeout": send_timeout, "waiting": waiting,
                  "shed_waiting": staticmethod(waiting.shed), "__module__": __name__}
-    return type("HeaderDeadlineProtocol", (HeaderDeadline, SendDeadline, H11Protocol), namespace)
+    return type("HeaderDeadlineProtocol", (HeaderDeadline, HalfClose, SendDeadline, H11Protocol), namespace)
 
 
 def _peer(client: Any) -> str:

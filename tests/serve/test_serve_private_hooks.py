@@ -145,6 +145,40 @@ def test_a_new_cycle_marks_a_complete_head_and_on_response_complete_follows_each
     asyncio.run(exchange())
 
 
+def test_an_eof_after_a_complete_request_keeps_the_transport_until_the_answer_is_sent():
+    """What the half-close reads: ``conn`` is the h11 connection (``their_state`` DONE once a request is complete),
+    and ``eof_received``'s answer decides whether asyncio closes the transport."""
+    import h11
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    assert callable(getattr(__import__("uvicorn.protocols.http.h11_impl", fromlist=["H11Protocol"]).H11Protocol,
+                            "eof_received", None)), _h11_hook("has no method eof_received")
+
+    async def exchange() -> None:
+        loop = asyncio.get_running_loop()
+        protocol_class = guarded_protocol(header_timeout=30, send_timeout=30)
+        config = uvicorn.Config(_app, http=protocol_class, log_level="warning", lifespan="off")
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+        transport = _Transport()
+        protocol.connection_made(transport)
+        assert not protocol.eof_received(), "an EOF before any request must close the connection"
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert isinstance(getattr(protocol, "conn", None), h11.Connection), _h11_hook("has no h11 conn")
+        assert protocol.conn.their_state is h11.DONE, _h11_hook("did not read the whole request into conn")
+        assert protocol.eof_received() is True and not transport.closing
+        cycle = protocol.cycle
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if cycle.response_complete:
+                break
+        assert transport.written.startswith(b"HTTP/1.1 200") and transport.written.endswith(b"ok")
+        assert transport.closing, "the half-closed connection stayed open after its answer"
+        protocol.connection_lost(None)
+
+    asyncio.run(exchange())
+
+
 # --- asyncio's accept handler ------------------------------------------------------------------------------------
 
 
