@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
       help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's (default: the "
       "tokenizer's)%(default).0s")
+    a("--trust-request-chat-template", action="store_true",
+      help="render a chat_template sent in a request (a template is code), in a sandbox process with a time, "
+      "length and memory limit; without it such a request is refused with 400, as vLLM does")
     a("--max-logprobs", type=int, default=20,
       help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for, up to 20 (default: %(default)s)")
     a("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
@@ -167,6 +170,7 @@ def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults:
                          served_model_names=names, sampling_defaults=defaults, max_logprobs=args.max_logprobs,
                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
-                         allow_additional_properties=args.structured_outputs_allow_additional_properties)
+                         allow_additional_properties=args.structured_outputs_allow_additional_properties,
+                         trust_request_chat_template=args.trust_request_chat_template)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

@@ -35,12 +35,13 @@ from pagedkv.serve.http.admission import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_chars,
     check_ids,
-    encode_chat,
+    encode_chat_request,
     encode_prompts,
     max_prompt_chars,
     validated_body,
 )
 from pagedkv.serve.http.metrics import ServerMetrics
+from pagedkv.serve.http.template_sandbox import TemplateSandbox
 from pagedkv.serve.logprobs_format import TokenTexts
 from pagedkv.serve.responses import Job, collect, stream_events
 from pagedkv.serve.responses_api import add_responses_route
@@ -73,6 +74,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     allow_additional_properties: bool = False  # JSON schemas as given, not closed to unlisted keys
+    trust_request_chat_template: bool = False  # render requests' own chat templates (in a sandbox), as vLLM's flag
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -93,6 +95,10 @@ class ServerState:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
         self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+        self.templates = None  # requests' chat templates: refused unless trusted, then sandboxed
+        if self.trust_request_chat_template:
+            special = getattr(self.tokenizer, "special_tokens_map", None) or {}
+            self.templates = TemplateSandbox(special, self.max_prompt_chars)
 
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -109,6 +115,8 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             state.engine.stop()
+            if state.templates is not None:
+                await state.templates.aclose()
             state.close()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -247,9 +255,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     conversation = body.conversation()
     check_chars("messages", sum(len(m["content"]) for m in conversation), state)
     arguments = {**body.template_arguments(), "tools": tools or None}
-    loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, arguments,
-                                     body.add_special_tokens)
+    ids = await encode_chat_request(state, body, conversation, arguments, body.add_special_tokens)
     echo = [body.echo_text()] if body.echo else None
     return await _answer(state, request, body, [ids], "messages", echo=echo, structured=structured,
                          shaper=state.parsers.shaper(choice))

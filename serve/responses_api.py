@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.responses_request import ResponsesRequest, responses_error
-from pagedkv.serve.http.admission import check_chars, encode_chat, validated_body
+from pagedkv.serve.http.admission import check_chars, encode_chat_request, validated_body
 from pagedkv.serve.responses_output import ResponseHead, response_from_chat
 from pagedkv.serve.responses_stream import response_events
 
@@ -47,8 +47,7 @@ async def _respond(state: Any, request: Request, answer: Answer) -> Response:
         conversation = chat.conversation()
         check_chars("messages", sum(len(m["content"]) for m in conversation), state)
         arguments = {**chat.template_arguments(), "tools": tools or None}
-        ids = await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, arguments,
-                                         chat.add_special_tokens)
+        ids = await encode_chat_request(state, chat, conversation, arguments, chat.add_special_tokens)
         answered = await answer(state, request, chat, [ids], "messages", structured=structured,
                                 shaper=state.parsers.shaper(choice))
     except InvalidField as exc:

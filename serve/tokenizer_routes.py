@@ -16,7 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from pagedkv.serve.api.chat import render_chat
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.tokenize_request import DetokenizeRequest, TokenizeRequest
-from pagedkv.serve.http.admission import validated_body
+from pagedkv.serve.http.admission import chat_text, validated_body
 
 
 def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
@@ -35,13 +35,16 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
     @app.post("/tokenize", dependencies=[Depends(check_key)])
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await validated_body(state, request, TokenizeRequest)
-        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, _tokenize, body)
-
-    def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         body.check_rules()
+        text = None  # a request's own chat template renders in the sandbox, off the tokenizer's thread
+        if body.messages is not None:
+            text = await chat_text(state, body, body.conversation(), body.template_arguments())
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, _tokenize, body, text)
+
+    def _tokenize(body: TokenizeRequest, text: str | None) -> dict[str, Any]:
         try:
-            ids = _ids(body)
+            ids = _ids(body, text)
         except InvalidField:
             raise
         except Exception as exc:  # noqa: BLE001 - the client's text (a lone surrogate, ...), not the server, is at fault
@@ -53,10 +56,11 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
             answer["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return answer
 
-    def _ids(body: TokenizeRequest) -> list[int]:
+    def _ids(body: TokenizeRequest, text: str | None) -> list[int]:
         if body.prompt is not None:
             return encode_text(state, body.prompt, body.special_tokens())
-        text = render_chat(state.tokenizer, state.model_name, body.conversation(), body.template_arguments())
+        if text is None:
+            text = render_chat(state.tokenizer, state.model_name, body.conversation(), body.template_arguments())
         return list(state.tokenizer(text, add_special_tokens=body.special_tokens())["input_ids"])
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])

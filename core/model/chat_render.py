@@ -7,6 +7,8 @@ are passed in, the caller's keyword arguments over them; messages lose their Non
 get the reasoning aliases. Only plain JSON data in one conversation is rendered here;
 :func:`render_chat` returns None for anything else (documents, ``continue_final_message``,
 assistant masks, objects, ``{% generation %}``), and the caller asks transformers.
+:func:`render_json_chat` renders all of those for JSON data (a request's), as transformers does without
+assistant masks, and stops as soon as the text passes a length: the server's sandbox for clients' templates.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ _TRANSFORMERS_ONLY = frozenset({
 })
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# {% generation %} blocks only mark assistant text for masks: without masks they are plain blocks (same whitespace)
+_GENERATION_OPEN = re.compile(r"\{%(-?)\s*generation\s*(-?)%\}")
+_GENERATION_CLOSE = re.compile(r"\{%(-?)\s*endgeneration\s*(-?)%\}")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the end of the message to continue
 
 
 def _plain(value: Any) -> bool:
@@ -113,3 +119,54 @@ def render_chat(template: str, conversation: Any, tools: Any, add_generation_pro
     return compiled(template).render(
         messages=[_message(m) for m in conversation], tools=_copy(tools), documents=None,
         add_generation_prompt=add_generation_prompt, **{k: _copy(v) for k, v in variables.items()})
+
+
+class RenderTooLong(ValueError):
+    """The rendered text passed ``max_chars`` (``chars`` is how far it got)."""
+
+    def __init__(self, chars: int) -> None:
+        super().__init__(f"the rendered text passed {chars:,} characters")
+        self.chars = chars
+
+
+def render_json_chat(template: str, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     documents: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                     continue_final_message: bool, variables: dict[str, Any], max_chars: int) -> str:
+    """What transformers' ``apply_chat_template(tokenize=False)`` renders for JSON data, at most ``max_chars``.
+
+    Raises :class:`RenderTooLong` as soon as the output passes ``max_chars`` (the text is produced in
+    pieces, so a long loop stops there), ``ValueError`` for what transformers refuses, and jinja's errors.
+    """
+    variables = {k: _copy(v) for k, v in variables.items() if k not in _TRANSFORMERS_ONLY}
+    messages = [_message(m) for m in conversation]
+    final = None
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str):
+            raise ValueError('continue_final_message is set but the final message has no "content" to continue')
+        if "content" not in template:
+            raise ValueError('continue_final_message is set to "content" but this is not an accepted field in '
+                             "the chat_template")
+        messages[-1]["content"] = final + _CONTINUE_TAG
+    source = _GENERATION_CLOSE.sub(r"{%\1 endif \2%}", _GENERATION_OPEN.sub(r"{%\1 if true \2%}", template))
+    pieces, size = [], 0
+    for piece in compiled(source).generate(messages=messages, tools=_copy(tools), documents=_copy(documents),
+                                           add_generation_prompt=add_generation_prompt, **variables):
+        size += len(piece)
+        if size > max_chars:
+            raise RenderTooLong(size)
+        pieces.append(piece)
+    text = "".join(pieces)
+    return text if final is None else _cut_at_continue_tag(text, final)
+
+
+def _cut_at_continue_tag(text: str, final: str) -> str:
+    """The text up to the end of the final message (transformers' rule, spacing included)."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
+                         "applying the chat template")
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

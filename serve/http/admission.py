@@ -19,6 +19,7 @@ from pagedkv.serve.api.chat import render_chat
 from pagedkv.serve.api.errors import InvalidField, parse_body
 from pagedkv.serve.api.json_body import parse_json_object
 from pagedkv.serve.http.bounded_tokenize import TooManyTokens, tokenize_bounded
+from pagedkv.serve.http.template_sandbox import request_template
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes
 MIN_CHARS_PER_TOKEN_BOUND = 32  # see max_prompt_chars
@@ -110,9 +111,34 @@ def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tok
 
 def encode_chat(state: Any, conversation: list[dict[str, Any]], template_arguments: dict[str, Any],
                 add_special_tokens: bool) -> list[int]:
-    """The conversation through the chat template, as token ids (on the tokenizer's thread)."""
+    """The conversation through the model's chat template, as token ids (on the tokenizer's thread)."""
     text = render_chat(state.tokenizer, state.model_name, conversation, template_arguments)
     return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
+
+
+async def chat_text(state: Any, body: Any, conversation: list[dict[str, Any]],
+                    template_arguments: dict[str, Any]) -> str | None:
+    """The conversation rendered by the request's own chat template in the sandbox; None when the request
+    has none (the model's template renders it on the tokenizer's thread). A 400 when the server does not
+    trust request templates (``template_sandbox``)."""
+    found = request_template(body, state.templates is not None)
+    if found is None:
+        return None
+    if state.tokenizer is None:
+        raise InvalidField("messages", "this model has no tokenizer: give the prompt as token ids")
+    return await state.templates.render(found[0], conversation, template_arguments)
+
+
+async def encode_chat_request(state: Any, body: Any, conversation: list[dict[str, Any]],
+                              template_arguments: dict[str, Any], add_special_tokens: bool) -> list[int]:
+    """The token ids of a chat request: through its own template (sandboxed) or the model's."""
+    loop = asyncio.get_running_loop()
+    text = await chat_text(state, body, conversation, template_arguments)
+    if text is None:
+        return await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, template_arguments,
+                                          add_special_tokens)
+    return await loop.run_in_executor(state.tokenize_pool, _tokenize, "messages", state.tokenizer, text,
+                                      state.max_model_len, add_special_tokens)
 
 
 def check_ids(state: Any, ids: list[int]) -> list[int]:

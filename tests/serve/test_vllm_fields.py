@@ -66,7 +66,9 @@ COMPLETION = {
 def server():
     tokenizer = byte_level_tokenizer()
     engine = tiny_chat_engine(tokenizer, enable_prefix_caching=True)
-    with running_server(engine, served_model_names=["tiny", "tiny-alias"]) as (url, _):
+    # chat_template is a vLLM field that answers only on a server trusting request templates (as vLLM)
+    with running_server(engine, served_model_names=["tiny", "tiny-alias"],
+                        trust_request_chat_template=True) as (url, _):
         with httpx.Client(base_url=url, timeout=120) as client:
             yield client, tokenizer
 
