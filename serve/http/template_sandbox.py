@@ -11,7 +11,9 @@ or stop it from obeying SIGTERM. All three answer 400 naming the field: the temp
 request's, and a retry would fail the same way (a 408 would invite the OpenAI SDK to retry it twice).
 
 The model's own template is trusted and keeps the fast path (rendered on the tokenizer's thread).
-Renders of clients' templates take turns on the one worker (each at most the time limit).
+Renders of clients' templates take turns on the one worker (each at most the time limit); one that
+cannot get its turn within two time limits answers 503, so a queue of hostile templates cannot hold a
+request, or a shutdown, for their sum.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ DEFAULT_TIME_LIMIT_S = 2.0  # a real template renders a 1,000-message chat in mi
 STARTUP_TIMEOUT_S = 30.0  # the worker imports jinja2 (~0.1 s); a loaded machine may take longer
 BASE_ADDRESS_SPACE = 256 << 20  # the worker's interpreter, jinja2 and a request's data, with room to spare
 HEADER_BYTES = 8
+QUEUE_TURNS = 2  # a render waits at most this many time limits for the worker, then 503
 TRUST_FLAG = "--trust-request-chat-template"
 
 
@@ -67,9 +70,9 @@ class TemplateSandbox:
         self.max_chars = max_chars
         self.time_limit_s = time_limit_s
         self.address_space = BASE_ADDRESS_SPACE + 16 * max_chars  # the text (up to 4 bytes a char), copies
-        self.renders = self.kills = 0
         self._proc: Any = None
         self._lock: asyncio.Lock | None = None
+        self._reaping: set[asyncio.Future] = set()
 
     async def render(self, field: str, conversation: list[dict[str, Any]], arguments: dict[str, Any]) -> str:
         """The conversation through the request's template (``arguments["chat_template"]``), as text.
@@ -77,12 +80,19 @@ class TemplateSandbox:
         ``arguments`` are the chat template's keyword arguments as the chat route builds them. An
         :class:`InvalidField` naming ``field`` when the template fails, runs too long or writes too much.
         """
-        job = _job(conversation, arguments, self.special_tokens, self.max_chars)
+        # a 4 MiB body's conversation takes milliseconds to encode: on a thread, as bodies are parsed
+        job = await asyncio.to_thread(_job, conversation, arguments, self.special_tokens, self.max_chars)
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:
+        try:  # a queue of hostile renders must not hold a request (or a shutdown) for their sum
+            await asyncio.wait_for(self._lock.acquire(), QUEUE_TURNS * self.time_limit_s)
+        except asyncio.TimeoutError:
+            raise InvalidField(None, "the chat template sandbox is busy with other requests' templates; retry later",
+                               503, "service_unavailable") from None
+        try:
             answer = await self._exchange(field, job)
-        self.renders += 1
+        finally:
+            self._lock.release()
         if "text" in answer:
             return answer["text"]
         kind = answer.get("kind")
@@ -98,7 +108,7 @@ class TemplateSandbox:
             proc = await self._worker()
             proc.stdin.write(len(job).to_bytes(HEADER_BYTES, "big") + job)
             await proc.stdin.drain()
-            answer = await asyncio.wait_for(_read_frame(proc.stdout), self.time_limit_s)
+            reply = await asyncio.wait_for(_read_bytes(proc.stdout), self.time_limit_s)
         except asyncio.TimeoutError:
             self._kill()
             raise InvalidField(field, f"the chat template did not finish rendering within {self.time_limit_s:g} s "
@@ -109,6 +119,7 @@ class TemplateSandbox:
         except BaseException:  # the request was cancelled (its client left): the render must not go on
             self._kill()
             raise
+        answer = await asyncio.to_thread(json.loads, reply)  # up to the context's worth of text
         if answer.get("kind") == "memory":
             self._kill()  # it exits after a MemoryError: the next render starts a fresh one
         return answer
@@ -116,40 +127,51 @@ class TemplateSandbox:
     async def _worker(self) -> Any:
         if self._proc is not None and self._proc.returncode is None:
             return self._proc
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pagedkv.serve.template_worker", str(self.address_space),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        unavailable = InvalidField(None, "the chat template sandbox is not available", 503, "service_unavailable")
         try:
-            ready = await asyncio.wait_for(_read_frame(self._proc.stdout), STARTUP_TIMEOUT_S)
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pagedkv.serve.template_worker", str(self.address_space),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        except OSError as exc:  # out of processes or descriptors: the server's trouble, not the request's
+            log.error("could not start the chat template sandbox: %s", exc)
+            raise unavailable from None
+        try:
+            ready = json.loads(await asyncio.wait_for(_read_bytes(self._proc.stdout), STARTUP_TIMEOUT_S))
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
             ready = None
         if not (isinstance(ready, dict) and ready.get("ready")):
             self._kill()
             log.error("the chat template sandbox did not start (%s -m pagedkv.serve.template_worker)", sys.executable)
-            raise InvalidField(None, "the chat template sandbox is not available", 503, "service_unavailable")
+            raise unavailable
         return self._proc
 
     def _kill(self) -> None:
+        """Kill the worker (if any) and reap it in the background: its pipes close while the loop runs."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.stdin.close()  # its pipe closes now, not when the transport is collected (perhaps after the loop)
+        proc.stdin.close()
         if proc.returncode is None:
             try:
-                proc.kill()  # asyncio's child watcher reaps it
+                proc.kill()
             except ProcessLookupError:  # it had just exited
-                return
-            self.kills += 1
+                pass
+        task = asyncio.ensure_future(_reap(proc))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     async def aclose(self) -> None:
-        """Stop the worker and wait for it (the server is shutting down)."""
-        proc = self._proc
+        """Stop the worker and wait until every worker is reaped (the server is shutting down)."""
         self._kill()
-        if proc is not None:
-            try:
-                await asyncio.wait_for(proc.communicate(), STARTUP_TIMEOUT_S)
-            except (asyncio.TimeoutError, OSError):
-                pass
+        if self._reaping:
+            await asyncio.wait(set(self._reaping), timeout=STARTUP_TIMEOUT_S)
+
+
+async def _reap(proc: Any) -> None:
+    try:  # reads its stdout to the end and waits for its exit status
+        await asyncio.wait_for(proc.communicate(), STARTUP_TIMEOUT_S)
+    except (asyncio.TimeoutError, OSError, ValueError):
+        pass
 
 
 def _job(conversation: list[dict[str, Any]], arguments: dict[str, Any], special_tokens: dict[str, Any],
@@ -164,6 +186,7 @@ def _job(conversation: list[dict[str, Any]], arguments: dict[str, Any], special_
                        "variables": {**special_tokens, **variables}, "max_chars": max_chars}).encode("ascii")
 
 
-async def _read_frame(stream: asyncio.StreamReader) -> Any:
+async def _read_bytes(stream: asyncio.StreamReader) -> bytes:
+    """One frame's JSON bytes."""
     size = int.from_bytes(await stream.readexactly(HEADER_BYTES), "big")
-    return json.loads(await stream.readexactly(size))
+    return await stream.readexactly(size)
