@@ -27,11 +27,14 @@ HEADER_BYTES = 8
 
 
 def _limit_self(address_space: int) -> None:
-    import resource
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if address_space > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        except (ImportError, ValueError, OSError):  # no such limit here (not Linux): the time limit still holds
+            pass
     if sys.platform.startswith("linux"):
         import ctypes
 
