@@ -8,7 +8,6 @@ in a worker process with a time, length and memory limit while everything else k
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -198,4 +197,4 @@ def _alive(pid: int) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
     except OSError:
         return False
-    return state != "Z" and os.path.exists(f"/proc/{pid}")
+    return state != "Z"  # a zombie has exited
