@@ -184,7 +184,9 @@ class Engine:
                 raise RequestRejected("structured outputs need the model's tokenizer")
             return entry.factory(tokenizer, vocab_size, self.stop_check.eos_token_ids)
 
-        return GrammarCompiler(make_backend)
+        c = self.config
+        return GrammarCompiler(make_backend, cache_bytes=c.grammar_cache_bytes, workers=c.grammar_compile_workers,
+                               timeout_s=c.grammar_compile_timeout, max_bytes=c.max_grammar_bytes)
 
     def _any_impl(self, *hook_names: str) -> bool:
         return any(has_impls(self.pm, name) for name in hook_names)
@@ -288,12 +290,13 @@ class Engine:
             result_of(future)  # raises RequestRejected with the reason
         return future
 
-    def check_structured(self, constraint: StructuredOutputs) -> None:
+    def check_structured(self, constraint: StructuredOutputs, client: str = "") -> None:
         """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
-        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar."""
+        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar.
+        ``client`` (the server gives the peer's address) gets fair turns on the compile workers."""
         if self.tokenizer is None:
             raise RequestRejected("structured outputs need the model's tokenizer")
-        self.grammars.check(constraint)
+        self.grammars.check(constraint, client)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""

@@ -55,12 +55,14 @@ class Parsers:
                                             "--enable-auto-tool-choice and --tool-call-parser")
 
 
-async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None) -> None:
-    """Compile in a worker thread; an uncompilable constraint raises ``InvalidField`` naming ``field``."""
+async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None,
+                        client: str = "") -> None:
+    """Compile in a worker thread; an uncompilable constraint (too big, too slow, invalid) raises
+    ``InvalidField`` naming ``field``. ``client`` (the peer's address) gets fair turns on the compile workers."""
     if constraint is None:
         return
     try:
-        await asyncio.to_thread(engine.check_structured, constraint)
+        await asyncio.to_thread(engine.check_structured, constraint, client)
     except RequestRejected as exc:
         field = field or "structured_outputs"
         raise InvalidField(field, str(exc).replace("structured_outputs", field, 1)) from None
