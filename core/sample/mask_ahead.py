@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # type hints only: this room sits below sched/
     from pagedkv.core.sched.sequence import Sequence
 
 SLOW_MASK_S = 0.002  # a mask slower than this is computed ahead next time
+TRUST_MASKS = 32  # a sequence timed cheap alone is not suspected for this many batched masks
 WORKERS = 2
 Fault = Callable[["Sequence", str, Exception], None]
 Masked = tuple[torch.Tensor, float]  # (the mask row, seconds it took)
@@ -41,6 +42,7 @@ class MaskAhead:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[Sequence, Future[Masked]] = {}  # a sequence's next mask, being computed or ready
         self._slow: set[Sequence] = set()  # sequences whose next mask is computed ahead
+        self._cleared: dict[Sequence, int] = {}  # timed cheap alone: batched masks left before a new check
         self.computed = 0  # masks computed ahead
 
     def __bool__(self) -> bool:
@@ -66,12 +68,15 @@ class MaskAhead:
         for seq, future in list(self._ahead.items()):
             if seq.is_finished:
                 del self._ahead[seq]
-                self._slow.discard(seq)
                 continue
             seq.held = not future.done()
             held += seq.held
-        self._slow = {seq for seq in self._slow if not seq.is_finished}
+        self._forget_finished()
         return held
+
+    def _forget_finished(self) -> None:
+        self._slow = {seq for seq in self._slow if not seq.is_finished}
+        self._cleared = {seq: n for seq, n in self._cleared.items() if not seq.is_finished}
 
     def ready(self, seqs: Iterable[Sequence]) -> bool:
         return all(seq not in self._ahead or self._ahead[seq].done() for seq in seqs)
@@ -110,15 +115,24 @@ class MaskAhead:
                 left.append(i)  # computed for another width (the first ones, before any logits were seen)
                 continue
             allowed[i] = row
-            if seconds <= SLOW_MASK_S:
-                self._slow.discard(seq)  # cheap again: back to the step's batched fill
+            if seconds <= SLOW_MASK_S:  # cheap (timed alone): back to the step's batched fill, trusted a while
+                self._slow.discard(seq)
+                self._cleared[seq] = TRUST_MASKS
         return left
 
     def note(self, seqs: Iterable[Sequence], seconds: float) -> None:
-        """The step's batched fill of ``seqs`` took ``seconds``: if slow, their next masks are computed ahead
-        (each then timed alone; the cheap ones come back)."""
+        """The step's batched fill of ``seqs`` took ``seconds``. If slow, the suspects (those not timed cheap
+        alone lately) have their next masks computed ahead, each timed alone; a batch slow only for its
+        many cheap rows marks nobody, so they are not bounced off the batch every other step."""
+        seqs = list(seqs)
+        if len(self._slow) + len(self._cleared) > 2 * len(seqs) + 64:  # finished ones, while none was ahead
+            self._forget_finished()
         if seconds > SLOW_MASK_S:
-            self._slow.update(seqs)
+            self._slow.update(seq for seq in seqs if seq not in self._cleared)
+        for seq in seqs:
+            trust = self._cleared.pop(seq, 0) - 1
+            if trust > 0:
+                self._cleared[seq] = trust
 
     def close(self) -> None:
         if self._pool is not None:
