@@ -293,6 +293,13 @@ class Engine:
             result_of(future)  # raises RequestRejected with the reason
         return future
 
+    def submit_structured(self, constraint: StructuredOutputs, client: str = "") -> Future[CompiledGrammar]:
+        """The compile of ``constraint`` (done at once when cached or refused for its size), for a caller that
+        awaits it without holding a thread; :func:`~pagedkv.core.sample.grammar_compiler.result_of` reads it."""
+        if self.tokenizer is None:
+            raise RequestRejected("structured outputs need the model's tokenizer")
+        return self.grammars.submit(constraint, client)
+
     def check_structured(self, constraint: StructuredOutputs, client: str = "") -> None:
         """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
         saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar.

@@ -120,9 +120,10 @@ class GrammarCompiler:
             self._account(key, future, estimated_bytes(grammar, key))
 
     def _expire(self, future: Future[CompiledGrammar]) -> None:
-        if _settle(future, exc=GrammarError(f"compiling took longer than {self._timeout_s:g} s "
-                                            "(--grammar-compile-timeout)")):
-            self.timed_out += 1
+        self.timed_out += 1  # counted before a waiter can wake on it
+        if not _settle(future, exc=GrammarError(f"compiling took longer than {self._timeout_s:g} s "
+                                                "(--grammar-compile-timeout)")):
+            self.timed_out -= 1  # the compile got there first
 
     def _account(self, key: str, future: Future[CompiledGrammar], nbytes: int) -> None:
         with self._lock:

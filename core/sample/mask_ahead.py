@@ -106,6 +106,7 @@ class MaskAhead:
             if future is None:
                 left.append(i)
                 continue
+            seq.held = False  # (a scheduler that does not read ``held`` ran it anyway: the mask is waited for)
             try:
                 row, seconds = future.result()
             except Exception as exc:  # noqa: BLE001 - this request's grammar, not the others'
