@@ -57,6 +57,16 @@ def swap_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def byte_size(text: str) -> int:
+    """A size in bytes: ``536870912``, ``512MiB``, ``1GB``, ``512M``."""
+    from pagedkv.core.config import parse_bytes
+
+    try:
+        return parse_bytes(text.strip())
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def plugin_option(text: str) -> tuple[str, str, Any]:
     """``plugin.key=value`` -> (plugin, key, value); the value is read as JSON when it is JSON, else text."""
     head, sep, raw = text.partition("=")
@@ -145,6 +155,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
     a("--structured-outputs-backend", default="guidance",
       help="grammar backend for response_format / structured_outputs (guidance: llguidance, built in; or a "
       "plugin's) (default: %(default)s)")
+    add_grammar_arguments(a)
+
+
+def add_grammar_arguments(a: Any) -> None:
+    """Bounds on grammar work, so one client's constraints cannot stall or bloat the server (issue 42)."""
+    a("--grammar-compile-workers", type=int, default=2,
+      help="threads compiling constraints; one client holds at most all but one (default: %(default)s)")
+    a("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+      help="a constraint still compiling after this answers 400 (default: %(default)s)")
+    a("--max-grammar-bytes", type=human_int, default=128 * 1024,
+      help="a constraint (schema, regex, grammar, choices) over this many bytes answers 400 (default: %(default)s)")
+    a("--grammar-cache-bytes", type=byte_size, default=512 * 2**20,
+      help="compiled grammars kept, by estimated memory, e.g. 256MiB (default: 512MiB)%(default).0s")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -169,6 +192,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching, enable_copy_on_write=args.enable_copy_on_write,
         swap_space=args.swap_space, telemetry=getattr(args, "telemetry", None), trace=getattr(args, "trace", None),
         plugin_options=options, structured_outputs_backend=args.structured_outputs_backend,
+        grammar_compile_workers=args.grammar_compile_workers, grammar_compile_timeout=args.grammar_compile_timeout,
+        max_grammar_bytes=args.max_grammar_bytes, grammar_cache_bytes=args.grammar_cache_bytes,
     )
 
 

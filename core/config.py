@@ -141,6 +141,12 @@ class EngineConfig:
     telemetry: str | None = None
     trace: str | None = None
     structured_outputs_backend: str = "guidance"  # the grammar backend for constrained requests (llguidance)
+    # grammar work bounded and fair (see core/sample/grammar_compiler.py): worker threads, a time limit per
+    # compile, a size limit per constraint (bytes of its canonical text) and the compiled grammars' cache
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout: float = 10.0
+    max_grammar_bytes: int = 128 * 1024
+    grammar_cache_bytes: int | str = 512 * 2**20
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -195,3 +201,15 @@ class EngineConfig:
             raise ConfigError("model_impl pagedkv runs on one device; tensor parallelism uses transformers' model")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")
+        self._check_grammar_limits()
+
+    def _check_grammar_limits(self) -> None:
+        if not isinstance(self.grammar_compile_workers, int) or self.grammar_compile_workers < 1:
+            raise ConfigError(f"grammar_compile_workers must be at least 1, got {self.grammar_compile_workers!r}")
+        if not isinstance(self.grammar_compile_timeout, (int, float)) or not self.grammar_compile_timeout > 0:
+            raise ConfigError(f"grammar_compile_timeout must be positive seconds, got {self.grammar_compile_timeout!r}")
+        if not isinstance(self.max_grammar_bytes, int) or self.max_grammar_bytes < 1:
+            raise ConfigError(f"max_grammar_bytes must be a positive integer, got {self.max_grammar_bytes!r}")
+        self.grammar_cache_bytes = parse_bytes(self.grammar_cache_bytes)
+        if self.grammar_cache_bytes < 0:
+            raise ConfigError("grammar_cache_bytes must be >= 0 bytes")

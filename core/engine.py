@@ -48,10 +48,11 @@ from pagedkv.core.runner import Runner, make_runner
 from pagedkv.core.sample.bad_words import bad_word_ids
 from pagedkv.core.sample.grammar_backend import CompiledGrammar, GrammarBackend
 from pagedkv.core.sample.grammar_compiler import GrammarCompiler, result_of
+from pagedkv.core.sample.mask_ahead import MaskAhead
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sample.structured_output import StructuredOutputs
-from pagedkv.core.sched.grammar_gate import GrammarGate
+from pagedkv.core.sched.grammar_gate import IDLE_WAIT_S, GrammarGate
 from pagedkv.core.sched.request_check import check_prompt, check_text
 from pagedkv.core.sched.request_groups import RequestGroups
 from pagedkv.core.sched.scheduler_interface import Scheduler, SchedulerFactory, SchedulerHooks
@@ -168,8 +169,9 @@ class Engine:
         self.clock = clock or time.monotonic  # what telemetry stamps: wall time, or a simulator's simulated seconds
         self.requests = RequestGroups(self.sampler, self.max_model_len, self.stats, self.events)
         self.grammars = self._make_grammar_compiler()
-        self.grammar_gate = GrammarGate()
-        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys, self.grammars)
+        self.masks = MaskAhead(lambda: self.grammars.backend, self.vocab_size)  # slow grammars' masks, off the loop
+        self.grammar_gate = GrammarGate(self.masks)
+        self.sampling = StepSampling(self.sampler, self.stop_check, self.requests.keys, self.grammars, self.masks)
         self.outputs = OutputProcessor(self.requests, self.scheduler, self.stats, self.tokenizer)
         self._ids = itertools.count()  # request ids 0, 1, 2, ...
 
@@ -184,7 +186,9 @@ class Engine:
                 raise RequestRejected("structured outputs need the model's tokenizer")
             return entry.factory(tokenizer, vocab_size, self.stop_check.eos_token_ids)
 
-        return GrammarCompiler(make_backend)
+        c = self.config
+        return GrammarCompiler(make_backend, cache_bytes=c.grammar_cache_bytes, workers=c.grammar_compile_workers,
+                               timeout_s=c.grammar_compile_timeout, max_bytes=c.max_grammar_bytes)
 
     def _any_impl(self, *hook_names: str) -> bool:
         return any(has_impls(self.pm, name) for name in hook_names)
@@ -197,6 +201,7 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""
         self.grammars.close()
+        self.masks.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -288,12 +293,20 @@ class Engine:
             result_of(future)  # raises RequestRejected with the reason
         return future
 
-    def check_structured(self, constraint: StructuredOutputs) -> None:
-        """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
-        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar."""
+    def submit_structured(self, constraint: StructuredOutputs, client: str = "") -> Future[CompiledGrammar]:
+        """The compile of ``constraint`` (done at once when cached or refused for its size), for a caller that
+        awaits it without holding a thread; :func:`~pagedkv.core.sample.grammar_compiler.result_of` reads it."""
         if self.tokenizer is None:
             raise RequestRejected("structured outputs need the model's tokenizer")
-        self.grammars.check(constraint)
+        return self.grammars.submit(constraint, client)
+
+    def check_structured(self, constraint: StructuredOutputs, client: str = "") -> None:
+        """Compile ``constraint`` now (blocking; not for the step loop's thread): raises :class:`RequestRejected`
+        saying why if it cannot be. A later request with an equal constraint reuses the compiled grammar.
+        ``client`` (the server gives the peer's address) gets fair turns on the compile workers."""
+        if self.tokenizer is None:
+            raise RequestRejected("structured outputs need the model's tokenizer")
+        self.grammars.check(constraint, client)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back to the pool. False if unknown."""
@@ -325,7 +338,12 @@ class Engine:
     def _step(self, stream: bool) -> list[RequestOutput]:
         if self.grammar_gate:  # compiled grammars' requests join the queue (a failed compile fails its request)
             self.grammar_gate.release(self.scheduler, idle=not self.scheduler.has_unfinished())
-        return self._run_step(self.scheduler.schedule(), stream)
+        held = self.masks.hold() if self.masks else 0  # sequences whose grammar mask is not ready sit this out
+        out = self.scheduler.schedule()
+        if held and out.is_empty and not self.scheduler.failed:
+            self.masks.wait(IDLE_WAIT_S)  # nothing else could run: wait a little for a mask instead of spinning
+            return []
+        return self._run_step(out, stream)
 
     def _run_step(self, out: SchedulerOutput, stream: bool) -> list[RequestOutput]:
         """The step the scheduler decided (``out``): execute, sample, book it, report."""
@@ -333,10 +351,12 @@ class Engine:
         touched: dict[str, None] = {}
         if not out.is_empty:
             logits = self.runner.execute(out)
-            update = scheduler.update_from_output(out, self._sample(out, logits))
+            samples = self._sample(out, logits)
+            update = scheduler.update_from_output(out, samples)
             for seq, fault in self.sampling.take_faults().items():  # advanced with the rest (KV written), no token
                 if not seq.is_finished:
                     scheduler.fail(seq, fault)
+            self.masks.start(sample[0] for sample in samples)  # slow grammars' next masks, off this thread
             self.stats.prefill_tokens_computed += update.prefill_tokens
             self.stats.generated_tokens += update.generated
             self.stats.finished += update.finished
@@ -354,6 +374,8 @@ class Engine:
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
         """A token (and its logprobs, if asked for) for every sequence whose step computed its last token."""
+        if self.masks:  # a matcher computing its mask ahead must be free before it samples or is forked
+            self.masks.settle(item.seq for item in out.scheduled if item.samples)
         seqs, rows = sampling_rows(out, self._fork)
         return self.sampling.run(out, seqs, rows, logits)
 

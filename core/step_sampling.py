@@ -15,6 +15,7 @@ import torch
 from pagedkv.core.sample.grammar_compiler import GrammarCompiler
 from pagedkv.core.sample.grammar_step import advance_matchers, allowed_masks
 from pagedkv.core.sample.logprobs import prompt_logprob_span, record_prompt_logprobs
+from pagedkv.core.sample.mask_ahead import MaskAhead
 from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_batch import SamplingBatch
 from pagedkv.core.sched.scheduler_output import Sample, SchedulerOutput
@@ -44,9 +45,10 @@ def sampling_rows(out: SchedulerOutput, fork: Fork) -> tuple[list[Sequence], lis
 
 class StepSampling:
     def __init__(self, sampler: Sampler, stop_check: StopCheck, seq_keys: dict[int, int],
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, masks: MaskAhead | None = None) -> None:
         self.sampler = sampler
         self.grammars = grammars  # the engine's GrammarCompiler (its backend fills the masks), or None
+        self.masks = masks  # slow grammars' masks, computed ahead off the step loop (or None: all in the step)
         self.stop_check = stop_check
         self.seq_keys = seq_keys  # seq_id -> its generator's key (the engine's)
         self._faults: dict[Sequence, Exception] = {}  # this step's per-request failures after the model ran
@@ -95,7 +97,7 @@ class StepSampling:
                 banned.append(())
                 self._fault(seq, "sampling", exc)
         constrained = self.grammars is not None and any(s.matcher is not None for s in seqs)
-        allowed = (allowed_masks(seqs, self.grammars.backend, logits.shape[-1], self._fault)
+        allowed = (allowed_masks(seqs, self.grammars.backend, logits.shape[-1], self._fault, self.masks)
                    if constrained else None)
         batch = SamplingBatch.of(seqs, banned, [self.seq_keys[s.seq_id] for s in seqs], allowed)
         result = self.sampler.sample(logits, batch)

@@ -288,7 +288,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
                            f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
     if not state.engine.has_room(sequences):
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
-    await compile_check(state.engine.engine, constraint, field)
+    await compile_check(state.engine.engine, constraint, field, request.client.host if request.client else "")
     response_id = f"{'chatcmpl' if body.chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     job = Job(body.chat, response_id, state.model_name, body.n, [], sum(map(len, prompts)),
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,

@@ -1,18 +1,20 @@
 """A request's answer shape and constraint, decided on the asyncio side before anything is queued.
 
 ``Parsers`` picks how a chat answer is parsed (tool calls, reasoning) from the server's parsers and the
-request's ``tool_choice``. The constraint (``GenerationRequest.constraint``) is compiled here, in a worker
-thread (the engine reuses the compiled grammar), so a schema the backend cannot compile answers 400
-naming its field and the step loop never waits on it.
+request's ``tool_choice``. The constraint (``GenerationRequest.constraint``) is compiled here, on the
+engine's compile workers and awaited (the engine reuses the compiled grammar), so a schema the backend
+cannot compile answers 400 naming its field and the step loop never waits on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.plugin.plugin_manager import build_registry
+from pagedkv.core.sample.grammar_compiler import result_of
 from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.tools import ToolChoice
@@ -55,12 +57,18 @@ class Parsers:
                                             "--enable-auto-tool-choice and --tool-call-parser")
 
 
-async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None) -> None:
-    """Compile in a worker thread; an uncompilable constraint raises ``InvalidField`` naming ``field``."""
+async def compile_check(engine: Any, constraint: StructuredOutputs | None, field: str | None,
+                        client: str = "") -> None:
+    """Compile in a worker thread; an uncompilable constraint (too big, too slow, invalid) raises
+    ``InvalidField`` naming ``field``. ``client`` (the peer's address) gets fair turns on the compile workers."""
     if constraint is None:
         return
     try:
-        await asyncio.to_thread(engine.check_structured, constraint)
+        future = engine.submit_structured(constraint, client)
+        if not future.done():  # awaited, not waited for on a worker thread: slow compiles hold no thread here
+            with contextlib.suppress(Exception):  # read below; shielded: a disconnect must not cancel a shared compile
+                await asyncio.shield(asyncio.wrap_future(future))
+        result_of(future)
     except RequestRejected as exc:
         field = field or "structured_outputs"
         raise InvalidField(field, str(exc).replace("structured_outputs", field, 1)) from None

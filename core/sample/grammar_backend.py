@@ -3,7 +3,7 @@
 A backend plugin implements ``pagedkv_register_grammar_backends(register)`` and calls
 ``register(name, factory, description)``; ``factory(tokenizer, vocab_size, eos_token_ids)`` returns a
 :class:`GrammarBackend`. The engine builds the backend the first time a constrained request arrives,
-on its compile thread, so a backend's heavy import and tokenizer preparation never run on the step loop.
+on a compile worker thread, so a backend's heavy import and tokenizer preparation never run on the step loop.
 
 Masks are the common packed form (llguidance's and xgrammar's): an int32 tensor ``[rows, ceil(vocab / 32)]``
 where bit ``j`` of word ``i`` set means token ``32 * i + j`` may come next.
@@ -37,7 +37,9 @@ class GrammarMatcher(Protocol):
 
 
 class CompiledGrammar(Protocol):
-    """A constraint ready to match; shared by every request with an equal constraint."""
+    """A constraint ready to match; shared by every request with an equal constraint. It may carry an
+    ``nbytes`` int, its memory, which the compiled-grammar cache counts against its byte budget (without
+    one the cache estimates from the constraint's size, see ``grammar_compiler``)."""
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""

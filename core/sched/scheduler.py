@@ -142,6 +142,9 @@ class FCFSScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.held:  # its grammar mask is not ready: it waits a step, the others do not wait for it
+                i += 1
+                continue
             uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
             num_new = min(uncomputed, budget)
             while not self._allocate(seq, num_new):

@@ -61,6 +61,7 @@ class Sequence:
     # its grammar's state (structured outputs), fed every token
     matcher: GrammarMatcher | None = field(default=None, repr=False)
     grammar_done: bool = False  # finished because its grammar was complete: the last token is text, not EOS
+    held: bool = False  # its next grammar mask is still being computed (mask_ahead): not scheduled this step
 
     @classmethod
     def sample_of(cls, request_id: str, token_ids: list[int], params: SamplingParams, index: int, max_len: int,

@@ -127,6 +127,15 @@ def test_bad_constraints_answer_400_naming_the_field(served, body, param):
     assert len(error["message"].splitlines()) == 1
 
 
+def test_a_constraint_over_the_size_limit_answers_400_naming_the_field_and_the_limit(served):
+    huge = 'start: "' + "ab" * 100_000 + '"'  # 200 kB: over the default --max-grammar-bytes (128 KiB)
+    response = httpx.post(served[0] + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": user("x"), "max_tokens": 4, "guided_grammar": huge})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_grammar" and "--max-grammar-bytes" in error["message"], error
+
+
 def test_named_tool_choice_then_a_tool_message_turn(client):
     messages = user("Weather in Paris?")
     chat = client.chat.completions.create(

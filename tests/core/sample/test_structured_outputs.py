@@ -278,7 +278,7 @@ def test_compiling_never_holds_up_the_step_loop():
         if "constrained" in outputs:
             engine.abort("free")
     assert steps_while_compiling >= 1  # the free request stepped while the grammar compiled
-    assert plugin.compile_threads == {"pagedkv-grammar_0"}
+    assert all(name.startswith("pagedkv-grammar_") for name in plugin.compile_threads)
     assert outputs["constrained"].outputs[0].text in CHOICES
 
 
