@@ -252,7 +252,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
                                      body.add_special_tokens)
     echo = [body.echo_text()] if body.echo else None
     return await _answer(state, request, body, [ids], "messages", echo=echo, structured=structured,
-                         shaper=state.parsers.shaper(choice))
+                         shaper=state.parsers.shaper(choice, tools))
 
 
 def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:

@@ -50,7 +50,7 @@ async def _respond(state: Any, request: Request, answer: Answer) -> Response:
         ids = await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, arguments,
                                          chat.add_special_tokens)
         answered = await answer(state, request, chat, [ids], "messages", structured=structured,
-                                shaper=state.parsers.shaper(choice))
+                                shaper=state.parsers.shaper(choice, tools))
     except InvalidField as exc:
         raise responses_error(exc) from None
     head = ResponseHead(body, state.model_name)

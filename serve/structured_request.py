@@ -9,6 +9,7 @@ naming its field and the step loop never waits on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
@@ -35,19 +36,19 @@ class Parsers:
             self.reasoning_factory = build_registry(pm, "reasoning parser", "pagedkv_register_reasoning_parsers").get(
                 reasoning_parser).factory
 
-    def shaper(self, choice: ToolChoice | None) -> ChatShaper | None:
-        """How a chat answer is parsed (None: all of it is content)."""
-        tool_parser: Any = None
+    def shaper(self, choice: ToolChoice | None, tools: list[dict[str, Any]] | None = None) -> ChatShaper | None:
+        """How a chat answer is parsed (None: all of it is content); a call must name one of ``tools``."""
+        tool_factory: Any = None
         if choice is not None and choice.mode == "named":
-            tool_parser = NamedToolParser(choice.name or "")
+            tool_factory = functools.partial(NamedToolParser, choice.name or "")
         elif choice is not None and choice.mode == "required":
-            tool_parser = RequiredToolParser()
+            tool_factory = RequiredToolParser
         elif choice is not None and choice.mode == "auto" and self.tool_factory is not None:
-            tool_parser = self.tool_factory()
-        reasoning = self.reasoning_factory() if self.reasoning_factory is not None else None
-        if tool_parser is None and reasoning is None:
+            tool_factory = self.tool_factory
+        if tool_factory is None and self.reasoning_factory is None:
             return None
-        return ChatShaper(tool_parser, reasoning)
+        names = [t["function"]["name"] for t in tools or ()]
+        return ChatShaper(tool_factory, self.reasoning_factory, names)
 
     def check_choice(self, choice: ToolChoice) -> None:
         if choice.mode == "auto" and not (self.auto_tool_choice and self.tool_factory is not None):
