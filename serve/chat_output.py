@@ -57,10 +57,15 @@ def _incremental(parser: Any) -> Any:
 
 class ChatShaper:
     def __init__(self, tool_factory: Callable[[], Any] | None = None,
-                 reasoning_factory: Callable[[], Any] | None = None, tools: Iterable[str] = ()) -> None:
+                 reasoning_factory: Callable[[], Any] | None = None, tools: Iterable[str] = (),
+                 reasoning_done: bool = False) -> None:
         self.tool_factory = tool_factory
         self.reasoning_factory = reasoning_factory
         self.names = frozenset(tools)  # the declared tools: a call to any other is content
+        self.reasoning_done = reasoning_done  # the prompt closed the reasoning: the answer is all content
+
+    def without_reasoning(self) -> ChatShaper:
+        return ChatShaper(self.tool_factory, self.reasoning_factory, self.names, reasoning_done=True)
 
     def choice(self) -> ChoiceParse:
         return ChoiceParse(self)
@@ -83,7 +88,10 @@ class ChoiceParse:
 
     def __init__(self, shaper: ChatShaper) -> None:
         self.names = shaper.names
-        self.reasoning = _incremental(shaper.reasoning_factory()) if shaper.reasoning_factory else None
+        self.reasoning: Any = None
+        if shaper.reasoning_factory is not None:
+            self.reasoning = _ContentAfterReasoning() if shaper.reasoning_done else _incremental(
+                shaper.reasoning_factory())
         self.tools = _incremental(shaper.tool_factory()) if shaper.tool_factory else None
 
     @property
@@ -142,7 +150,9 @@ class _Content:
 
 
 class _ContentAfterReasoning:
-    """What replaces a reasoning parser that failed: everything is content."""
+    """What replaces a reasoning parser that failed, or one whose prompt closed the reasoning: all is content."""
+
+    thinking = False
 
     def feed(self, text: str) -> tuple[str, str]:
         return "", text

@@ -92,7 +92,8 @@ class ServerState:
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
-        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser,
+                              self.tokenizer)
 
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -275,6 +276,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
                            "tokens, which leaves no room for an answer")
     max_tokens = body.max_tokens_for(longest, limit, (state.sampling_defaults or {}).get("max_tokens"))
     constraint, field = structured
+    shaper, constraint = state.parsers.after_reasoning(shaper, constraint, prompts[0])
     params = body.to_sampling_params(max_tokens, state.vocab_size, state.sampling_defaults, constraint)
     sequences = len(prompts) * params.n
     if sequences > state.engine.max_waiting:

@@ -35,6 +35,7 @@ class _ThinkSplit:
             lead, text = opened
             self.thinking = not self.optional or lead.strip() == OPEN
             if not self.thinking:
+                self.answer, self.trim = True, False  # no <think>: the whole answer is content
                 return "", held
         if self.answer:
             return "", self._content(text)

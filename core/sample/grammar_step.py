@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv.core.sample.grammar_backend import GrammarBackend, new_bitmask
+from pagedkv.core.sample.reasoning_gate import masking
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
     from pagedkv.core.sched.sequence import Sequence
@@ -22,11 +23,11 @@ def allowed_masks(seqs: list[Sequence], backend: GrammarBackend | None, vocab_si
                   fault: Callable[[Sequence, str, Exception], None]) -> list[torch.Tensor | None]:
     """Per sequence: its packed mask row, or None if unconstrained (or failed: ``fault`` was called)."""
     allowed: list[torch.Tensor | None] = [None] * len(seqs)
-    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    rows = [i for i, seq in enumerate(seqs) if masking(seq.matcher) is not None]  # (none while reasoning)
     if not rows or backend is None:
         return allowed
     bitmask = new_bitmask(len(rows), vocab_size)
-    matchers = [seqs[i].matcher for i in rows]
+    matchers = [masking(seqs[i].matcher) for i in rows]
     try:
         backend.fill_bitmask(matchers, bitmask)
     except Exception:  # noqa: BLE001 - find the failing matchers: each alone

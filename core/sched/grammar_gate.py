@@ -13,6 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.grammar_backend import CompiledGrammar
 from pagedkv.core.sample.grammar_compiler import result_of
+from pagedkv.core.sample.reasoning_gate import gated
 from pagedkv.core.sched.scheduler_interface import Scheduler
 from pagedkv.core.sched.sequence import Sequence, SequenceStatus
 
@@ -59,5 +60,7 @@ class GrammarGate:
                     scheduler.fail(seq, fault)
                 continue
             for seq, matcher in zip(seqs, matchers):
-                seq.matcher = matcher
+                structured = seq.params.structured  # (a thinking model's grammar starts after its reasoning)
+                seq.matcher = gated(matcher, seq.prompt_token_ids, structured.reasoning_start,
+                                    structured.reasoning_end) if structured is not None else matcher
                 scheduler.add(seq)
