@@ -170,7 +170,7 @@ class ChatDeltas:
         self.parse = shaper.choice()
         self.sent_calls = 0
         self.sent_content = False
-        self.blank = ""  # whitespace-only content held back
+        self.blank: list[str] = []  # whitespace-only content held back (in pieces: linear however long)
 
     @property
     def calls(self) -> bool:
@@ -182,12 +182,13 @@ class ChatDeltas:
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        content, self.blank = self.blank + content, ""
-        if content and not self.sent_content and not content.strip():  # nothing but whitespace so far
-            if not final:
-                self.blank, content = content, ""
-            elif self.sent_calls or calls:
-                content = ""  # an answer of calls and whitespace has no content
+        if not self.sent_content and not content.strip():  # nothing but whitespace so far: held
+            self.blank.append(content)
+            content = ""
+            if final and not (self.sent_calls or calls):  # (an answer of calls and whitespace has no content)
+                content = "".join(self.blank)
+        elif self.blank:
+            content, self.blank = "".join(self.blank) + content, []
         if content:
             delta["content"] = content
             self.sent_content = True

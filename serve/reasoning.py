@@ -28,7 +28,6 @@ class _ThinkSplit:
 
     def feed(self, text: str) -> tuple[str, str]:
         if self.thinking is None:
-            held = self.lead.held + text
             opened = self.lead.feed(text)
             if opened is None:
                 return "", ""
@@ -36,7 +35,7 @@ class _ThinkSplit:
             self.thinking = not self.optional or lead.strip() == OPEN
             if not self.thinking:
                 self.answer, self.trim = True, False  # no <think>: the whole answer is content
-                return "", held
+                return "", lead + text
         if self.answer:
             return "", self._content(text)
         reasoning, after = self.close.feed(text)
@@ -57,15 +56,6 @@ class _ThinkSplit:
             self.thinking = not self.optional or held.strip() == OPEN
             return (held.strip().removeprefix(OPEN), "") if self.thinking else ("", held)
         return ("", "") if self.answer else (self.close.flush(), "")
-
-    def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
-        """(reasoning, content) of a whole answer, with a fresh parser (None: no reasoning in it)."""
-        parser = type(self)()
-        reasoning, content = parser.feed(text)
-        if final:
-            more = parser.finish()
-            reasoning, content = reasoning + more[0], content + more[1]
-        return (reasoning if parser.thinking else None), content
 
 
 class DeepSeekR1ReasoningParser(_ThinkSplit):

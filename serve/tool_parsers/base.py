@@ -161,29 +161,43 @@ class TagScan:
 
 
 class Lead:
-    """The opening of an answer: whitespace and an optional ``tag`` (held), then its first real character."""
+    """The opening of an answer: whitespace and an optional ``tag`` (held), then its first real character.
+    Whitespace is kept in pieces, so a model that writes nothing but spaces costs linear time."""
 
     def __init__(self, tag: str) -> None:
         self.tag = tag
-        self.held = ""
+        self.lead = Held()  # the whitespace and tag read so far
+        self.partial = ""  # what may be the start of the tag
+        self.stage = 0  # 0: leading whitespace, 1: maybe the tag, 2: whitespace after the tag
 
     def feed(self, text: str) -> tuple[str, str] | None:
         """None while undecided; else (the lead: whitespace and tag, the rest from its first character)."""
-        text = self.held + text
-        body = text.lstrip()
-        if self.tag and body.startswith(self.tag):
-            body = body[len(self.tag):].lstrip()
-        elif self.tag.startswith(body):  # nothing yet, or maybe the start of the tag
-            self.held = text
+        if self.stage != 1:
+            body = text.lstrip()
+            self.lead.add(text[: len(text) - len(body)])
+            if not body:
+                return None
+            if self.stage == 2:
+                return self._opened(body)
+            text, self.stage = body, 1
+        probe = self.partial + text
+        if self.tag and probe.startswith(self.tag):
+            self.lead.add(self.tag)
+            self.partial, self.stage = "", 2
+            return self.feed(probe[len(self.tag):]) if len(probe) > len(self.tag) else None
+        if self.tag.startswith(probe):
+            self.partial = probe
             return None
-        if not body:
-            self.held = text
-            return None
-        self.held = ""
-        return text[: len(text) - len(body)], body
+        self.partial = ""
+        return self._opened(probe)
+
+    def _opened(self, rest: str) -> tuple[str, str]:
+        lead, self.lead = self.lead.text(), Held()
+        return lead, rest
 
     def flush(self) -> str:
-        held, self.held = self.held, ""
+        held, self.partial = self.lead.text() + self.partial, ""
+        self.lead = Held()
         return held
 
 

@@ -20,7 +20,7 @@ class Llama3JsonToolParser:
         self.raw = Held()  # the current object, with the lead or separators before it
         self.value = Held()  # the current object alone
         self.scan = JsonScan()
-        self.between = ""  # separators after a call (whitespace, ';')
+        self.between = Held()  # separators after a call (whitespace, ';')
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
@@ -33,10 +33,10 @@ class Llama3JsonToolParser:
                 self._begin(lead, text, out)
             elif self.state == BETWEEN:
                 cut = _SEPARATORS.match(text).end()
-                self.between, rest = self.between + text[:cut], text[cut:]
-                if not rest:
+                self.between.add(text[:cut])
+                if cut == len(text):
                     break
-                lead, self.between, text = self.between, "", rest
+                lead, self.between, text = self.between.text(), Held(), text[cut:]
                 self._begin(lead, text, out)
             elif self.state == VALUE:
                 end = self.scan.feed(text)
@@ -61,7 +61,7 @@ class Llama3JsonToolParser:
                 out.append(lead)
 
     def finish(self) -> list[Piece]:
-        held = self.lead.flush() + self.between if self.state in (START, BETWEEN) else ""
+        held = self.lead.flush() + self.between.text() if self.state in (START, BETWEEN) else ""
         if self.state == VALUE:
             held = self.raw.text()
         return [held] if held else []

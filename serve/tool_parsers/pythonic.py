@@ -82,7 +82,7 @@ class PythonicToolParser:
         self.lead = Lead(WRAP[0])
         self.source = Held()
         self.scan = _PythonScan()
-        self.after = ""  # after the closed list: whitespace, maybe the start of the end tag (held)
+        self.after = Lead(WRAP[1])  # after the closed list: whitespace, maybe the end tag
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
@@ -101,7 +101,7 @@ class PythonicToolParser:
                 self.source.add(text if end is None else text[:end])
                 if end is None:
                     break
-                self.state, self.after, text = AFTER, "", text[end:]
+                self.state, text = AFTER, text[end:]
             elif self.state == AFTER:
                 text = self._after(text, out)
             else:
@@ -116,21 +116,22 @@ class PythonicToolParser:
 
     def _after(self, text: str, out: list[Piece]) -> str:
         """After the list: whitespace and ``<|python_end|>`` belong to it; anything else is content."""
-        held = self.after + text
-        body = held.lstrip()
-        if body.startswith(WRAP[1]):
-            out.append(self._candidate(held[: len(held) - len(body) + len(WRAP[1])]))
-            self.state = CONTENT
-            return body[len(WRAP[1]):]
-        if WRAP[1].startswith(body):  # nothing but whitespace, or maybe the start of the end tag
-            self.after = held
+        opened = self.after.feed(text)
+        if opened is None:
             return ""
-        out.append(self._candidate(""))
+        lead, rest = opened
         self.state = CONTENT
-        return held
+        if lead.strip() == WRAP[1]:
+            out.append(self._candidate(lead))
+            return rest
+        out.append(self._candidate(""))
+        return lead + rest
 
     def finish(self) -> list[Piece]:
         if self.state == AFTER:
-            return [self._candidate(""), *([self.after] if self.after else [])]
+            held = self.after.flush()
+            if held.strip() == WRAP[1]:
+                return [self._candidate(held)]
+            return [self._candidate(""), *([held] if held else [])]
         held = {START: self.lead.flush, LIST: self.source.text}.get(self.state, str)()
         return [held] if held else []

@@ -164,6 +164,20 @@ def test_a_long_streamed_answer_is_parsed_in_linear_time(name):
     assert time.perf_counter() - start < 20  # ~1 s here on a shared machine; the old re-parse took > 10 minutes
 
 
+@pytest.mark.parametrize("name", [*PARSERS, None])
+def test_a_long_run_of_whitespace_is_held_in_linear_time(name):
+    """Whitespace before (or after) a tag is undecided text: 100k spaces streamed one a step stay cheap."""
+    text = " " * 50_000 + "<|python_tag|>" + " " * 50_000 + "<think>" + "\n" * 50_000 + "x"
+    shaper = ChatShaper(PARSERS[name] if name else None, Qwen3ReasoningParser, tools=NAMES)
+    start = time.perf_counter()
+    deltas, content = ChatDeltas(shaper), ""
+    for i in range(len(text)):
+        content += deltas.delta(text[i], final=False).get("content", "")
+    content += deltas.delta("", final=True).get("content", "")
+    assert content == whole(shaper, text)[1] == text
+    assert time.perf_counter() - start < 20  # ~1 s here on a shared machine
+
+
 def test_a_parser_that_raises_turns_the_rest_into_content():
     class Broken:
         def feed(self, text):
