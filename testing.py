@@ -83,10 +83,12 @@ def _byte_chars() -> dict[int, str]:
     return chars
 
 
-def byte_tokenizer() -> Any:
+def byte_tokenizer(thinking: bool = False) -> Any:
     """A fast Hugging Face tokenizer with one token per byte (ids 0..255) and ``<|eos|>`` (id 256), with a chat
     template that renders tools; pair it with ``tiny_llama(vocab_size=BYTE_VOCAB)``. Any text round-trips,
-    and a grammar backend can constrain it byte by byte. Built in memory: nothing is downloaded."""
+    and a grammar backend can constrain it byte by byte. Built in memory: nothing is downloaded.
+    With ``thinking``, ``<think>`` and ``</think>`` are one token each (ids 257, 258), as in a reasoning
+    model's vocabulary, so a test can bias the model towards ending its reasoning."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,6 +98,8 @@ def byte_tokenizer() -> Any:
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>")
     tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    if thinking:
+        tokenizer.add_tokens(["<think>", "</think>"])  # (not special: their text stays in the decoded answer)
     return tokenizer
 
 

@@ -92,7 +92,7 @@ def _chat_request(custom_id: str, request: ChatCompletionRequest, tokenizer: Any
     prompt = list(tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
     return BatchRequest(custom_id, CHAT_URL, [prompt], params, options=request.engine_options(),
                         echo=[request.echo_text()] if request.echo else None,
-                        return_token_ids=bool(request.return_token_ids), shaper=_NO_PARSERS.shaper(choice))
+                        return_token_ids=bool(request.return_token_ids), shaper=_NO_PARSERS.shaper(choice, tools))
 
 
 def _completion_request(custom_id: str, request: CompletionRequest, tokenizer: Any, default_max_tokens: int,

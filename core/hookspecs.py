@@ -78,14 +78,16 @@ def pagedkv_register_grammar_backends(register: Register) -> None:
 @hookspec
 def pagedkv_register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers for ``engine serve --tool-call-parser NAME``: ``register(name, factory,
-    description)``; ``factory()`` returns an object with ``parse(text, final)`` giving a
-    :class:`~pagedkv.serve.tool_parsers.base.Parsed` (content, and the calls seen so far)."""
+    description)``; ``factory()`` returns a parser for one answer whose ``feed(text)`` (each step's new text)
+    and ``finish()`` return content strings and :class:`~pagedkv.serve.tool_parsers.base.Candidate` calls
+    (the older whole-text ``parse(text, final)`` giving ``Parsed`` is still read, once, at the end)."""
 
 
 @hookspec
 def pagedkv_register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers for ``engine serve --reasoning-parser NAME``: ``register(name, factory,
-    description)``; ``factory()`` returns an object with ``split(text, final)`` giving (reasoning, content)."""
+    description)``; ``factory()`` returns a parser for one answer whose ``feed(text)`` / ``finish()`` give
+    (reasoning, content), with ``start`` / ``end`` marker texts (or the older ``split(text, final)``)."""
 
 
 # --- lifecycle -----------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ class ServerState:
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
-        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+        self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser,
+                              self.tokenizer)
         self.templates = None  # requests' chat templates: refused unless trusted, then sandboxed
         if self.trust_request_chat_template:
             special = getattr(self.tokenizer, "special_tokens_map", None) or {}
@@ -258,7 +259,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     ids = await encode_chat_request(state, body, conversation, arguments, body.add_special_tokens)
     echo = [body.echo_text()] if body.echo else None
     return await _answer(state, request, body, [ids], "messages", echo=echo, structured=structured,
-                         shaper=state.parsers.shaper(choice))
+                         shaper=state.parsers.shaper(choice, tools))
 
 
 def _echo_texts(state: ServerState, prompts: list[str | list[int]]) -> list[str]:
@@ -281,6 +282,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
                            "tokens, which leaves no room for an answer")
     max_tokens = body.max_tokens_for(longest, limit, (state.sampling_defaults or {}).get("max_tokens"))
     constraint, field = structured
+    shaper, constraint = state.parsers.after_reasoning(shaper, constraint, prompts[0])
     params = body.to_sampling_params(max_tokens, state.vocab_size, state.sampling_defaults, constraint)
     sequences = len(prompts) * params.n
     if sequences > state.engine.max_waiting:

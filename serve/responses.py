@@ -261,7 +261,7 @@ class _Stream:
         self.sent[index] = end
         fields = None
         if job.chat and job.shaper is not None:
-            fields = self.deltas.setdefault(index, ChatDeltas(job.shaper)).delta(c.text[:end], finished)
+            fields = self.deltas.setdefault(index, ChatDeltas(job.shaper)).delta(text, finished)
         if finished:
             self.done.add(index)
             reason = c.finish_reason

@@ -49,7 +49,7 @@ async def _respond(state: Any, request: Request, answer: Answer) -> Response:
         arguments = {**chat.template_arguments(), "tools": tools or None}
         ids = await encode_chat_request(state, chat, conversation, arguments, chat.add_special_tokens)
         answered = await answer(state, request, chat, [ids], "messages", structured=structured,
-                                shaper=state.parsers.shaper(choice))
+                                shaper=state.parsers.shaper(choice, tools))
     except InvalidField as exc:
         raise responses_error(exc) from None
     head = ResponseHead(body, state.model_name)

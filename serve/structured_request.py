@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 from typing import Any
 
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.plugin.plugin_manager import build_registry
 from pagedkv.core.sample.grammar_compiler import result_of
+from pagedkv.core.sample.reasoning_gate import ended_in
 from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.tools import ToolChoice
@@ -26,7 +29,7 @@ class Parsers:
     """The server's tool-call and reasoning parser factories, looked up once at start-up (a bad name fails then)."""
 
     def __init__(self, pm: Any, tool_call_parser: str | None, auto_tool_choice: bool,
-                 reasoning_parser: str | None) -> None:
+                 reasoning_parser: str | None, tokenizer: Any = None) -> None:
         self.tool_call_parser = tool_call_parser
         self.auto_tool_choice = auto_tool_choice
         self.tool_factory = self.reasoning_factory = None
@@ -36,20 +39,40 @@ class Parsers:
         if reasoning_parser:
             self.reasoning_factory = build_registry(pm, "reasoning parser", "pagedkv_register_reasoning_parsers").get(
                 reasoning_parser).factory
+        # the reasoning's markers as token ids (a grammar waits for the end one); () when unknown
+        self.markers: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        if self.reasoning_factory is not None and tokenizer is not None:
+            parser = self.reasoning_factory()
+            self.markers = tuple(  # type: ignore[assignment]
+                tuple(tokenizer.encode(mark, add_special_tokens=False)) if isinstance(mark, str) and mark else ()
+                for mark in (getattr(parser, "start", None), getattr(parser, "end", None)))
 
-    def shaper(self, choice: ToolChoice | None) -> ChatShaper | None:
-        """How a chat answer is parsed (None: all of it is content)."""
-        tool_parser: Any = None
+    def shaper(self, choice: ToolChoice | None, tools: list[dict[str, Any]] | None = None) -> ChatShaper | None:
+        """How a chat answer is parsed (None: all of it is content); a call must name one of ``tools``."""
+        tool_factory: Any = None
         if choice is not None and choice.mode == "named":
-            tool_parser = NamedToolParser(choice.name or "")
+            tool_factory = functools.partial(NamedToolParser, choice.name or "")
         elif choice is not None and choice.mode == "required":
-            tool_parser = RequiredToolParser()
+            tool_factory = RequiredToolParser
         elif choice is not None and choice.mode == "auto" and self.tool_factory is not None:
-            tool_parser = self.tool_factory()
-        reasoning = self.reasoning_factory() if self.reasoning_factory is not None else None
-        if tool_parser is None and reasoning is None:
+            tool_factory = self.tool_factory
+        if tool_factory is None and self.reasoning_factory is None:
             return None
-        return ChatShaper(tool_parser, reasoning)
+        names = [t["function"]["name"] for t in tools or ()]
+        return ChatShaper(tool_factory, self.reasoning_factory, names)
+
+    def after_reasoning(self, shaper: ChatShaper | None, constraint: StructuredOutputs | None,
+                        prompt: list[int]) -> tuple[ChatShaper | None, StructuredOutputs | None]:
+        """With a reasoning parser: the constraint waits for the reasoning's end, as in vLLM; a prompt whose
+        reasoning is already closed (``enable_thinking: false``) has an answer of content only."""
+        start, end = self.markers
+        if shaper is None or shaper.reasoning_factory is None or not end:
+            return shaper, constraint
+        if constraint is not None:
+            constraint = dataclasses.replace(constraint, reasoning_start=start, reasoning_end=end)
+        if ended_in(prompt, start, end):
+            shaper = shaper.without_reasoning()
+        return shaper, constraint
 
     def check_choice(self, choice: ToolChoice) -> None:
         if choice.mode == "auto" and not (self.auto_tool_choice and self.tool_factory is not None):

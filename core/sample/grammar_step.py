@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.core.sample.grammar_backend import GrammarBackend, new_bitmask
 from pagedkv.core.sample.mask_ahead import MaskAhead
+from pagedkv.core.sample.reasoning_gate import masking
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
     from pagedkv.core.sched.sequence import Sequence
@@ -26,7 +27,7 @@ def allowed_masks(seqs: list[Sequence], backend: GrammarBackend | None, vocab_si
     """Per sequence: its packed mask row, or None if unconstrained (or failed: ``fault`` was called). Rows
     ``ahead`` computed already are taken from it; the others are filled now, in one batch, timed for it."""
     allowed: list[torch.Tensor | None] = [None] * len(seqs)
-    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    rows = [i for i, seq in enumerate(seqs) if masking(seq.matcher) is not None]  # (none while reasoning)
     if not rows or backend is None:
         return allowed
     if ahead is not None:
@@ -43,7 +44,7 @@ def allowed_masks(seqs: list[Sequence], backend: GrammarBackend | None, vocab_si
 def _fill(seqs: list[Sequence], rows: list[int], backend: GrammarBackend, vocab_size: int,
           fault: Callable[[Sequence, str, Exception], None], allowed: list[torch.Tensor | None]) -> None:
     bitmask = new_bitmask(len(rows), vocab_size)
-    matchers = [seqs[i].matcher for i in rows]
+    matchers = [masking(seqs[i].matcher) for i in rows]
     try:
         backend.fill_bitmask(matchers, bitmask)
     except Exception:  # noqa: BLE001 - find the failing matchers: each alone

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv.core.sample.grammar_backend import GrammarBackend, GrammarMatcher, bitmask_words, new_bitmask
+from pagedkv.core.sample.reasoning_gate import masking
 
 if TYPE_CHECKING:  # type hints only: this room sits below sched/
     from pagedkv.core.sched.sequence import Sequence
@@ -54,12 +55,13 @@ class MaskAhead:
         if backend is None:
             return
         for seq in seqs:
-            if seq.matcher is None or seq.is_finished or seq in self._ahead or not (new or seq in self._slow):
+            matcher = masking(seq.matcher)  # (none while a thinking model still reasons: nothing to mask)
+            if matcher is None or seq.is_finished or seq in self._ahead or not (new or seq in self._slow):
                 continue
             self._slow.add(seq)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="pagedkv-mask")
-            self._ahead[seq] = self._pool.submit(_one_mask, backend, seq.matcher, self._vocab_size)
+            self._ahead[seq] = self._pool.submit(_one_mask, backend, matcher, self._vocab_size)
             self.computed += 1
 
     def hold(self) -> int:

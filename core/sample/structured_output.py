@@ -29,6 +29,10 @@ class StructuredOutputs:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = True
+    # a thinking model's markers as token ids: the grammar applies after ``reasoning_end`` (set by the server's
+    # reasoning parser, not by clients; a later ``reasoning_start`` in the prompt reopens it). See reasoning_gate.
+    reasoning_start: tuple[int, ...] = ()
+    reasoning_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -53,6 +57,10 @@ class StructuredOutputs:
                 raise RequestRejected(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                       f"got {choice!r}")
             object.__setattr__(self, "choice", tuple(choice))
+        for name in ("reasoning_start", "reasoning_end"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestRejected(f"structured_outputs.{name} must be a tuple of token ids")
         if not isinstance(self.disable_any_whitespace, bool):
             raise RequestRejected("structured_outputs.disable_any_whitespace must be true or false")
 

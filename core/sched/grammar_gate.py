@@ -15,6 +15,7 @@ from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.grammar_backend import CompiledGrammar
 from pagedkv.core.sample.grammar_compiler import result_of
 from pagedkv.core.sample.mask_ahead import MaskAhead
+from pagedkv.core.sample.reasoning_gate import gated
 from pagedkv.core.sched.scheduler_interface import Scheduler
 from pagedkv.core.sched.sequence import Sequence, SequenceStatus
 
@@ -64,7 +65,9 @@ class GrammarGate:
                     scheduler.fail(seq, fault)
                 continue
             for seq, matcher in zip(seqs, matchers):
-                seq.matcher = matcher
+                structured = seq.params.structured  # (a thinking model's grammar starts after its reasoning)
+                seq.matcher = gated(matcher, seq.prompt_token_ids, structured.reasoning_start,
+                                    structured.reasoning_end) if structured is not None else matcher
             self._priming[request_id] = seqs
             started.extend(seqs)
         if self._masks is not None and started:

@@ -34,10 +34,10 @@ class City(BaseModel):
     rank: int = Field(ge=1, le=99)
 
 
-def engine() -> Engine:
+def engine(thinking: bool = False) -> Engine:
     return Engine(EngineConfig(device="cpu", num_blocks=512, block_size=8),
                   model=tiny_llama(vocab_size=BYTE_VOCAB, num_hidden_layers=1, max_position_embeddings=2048),
-                  tokenizer=byte_tokenizer())
+                  tokenizer=byte_tokenizer(thinking))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,8 @@ def test_streamed_function_call_arguments_match_the_done_event(client):
         deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         final = stream.get_final_response()
     [call] = final.output
-    assert call.type == "function_call" and "".join(deltas) == call.arguments and len(deltas) > 2
+    # (one delta: a call goes out once it is known complete and valid, so a stream never takes one back)
+    assert call.type == "function_call" and deltas == [call.arguments]
     jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
@@ -191,14 +192,15 @@ def test_behind_the_api_key():
 
 
 def test_reasoning_items_from_the_reasoning_parser():
-    with running_server(engine(), reasoning_parser="deepseek_r1") as (url, _):
+    with running_server(engine(thinking=True), reasoning_parser="deepseek_r1") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        # the grammar applies after </think> (one token here), which this seed samples after a few tokens
         kwargs = dict(model=MODEL, input="x", max_output_tokens=80, temperature=1.0,
-                      extra_body={"seed": 3, "structured_outputs": {"regex": "<think>[a-z]{4,12}</think>[a-z]{3,6}"}})
+                      extra_body={"seed": 11, "structured_outputs": {"regex": "[a-z]{3,6}"}})
         whole = client.responses.create(**kwargs)
         reasoning, message = whole.output
         assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
-        assert reasoning.content[0].type == "reasoning_text" and 4 <= len(reasoning.content[0].text) <= 12
+        assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
         assert message.type == "message" and 3 <= len(whole.output_text) <= 6
         events = list(client.responses.create(stream=True, **kwargs))
         streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
