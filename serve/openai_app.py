@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
+from pagedkv.serve.answer_json import encode_json
+from pagedkv.serve.api.answer_limits import check_prompt_logprobs
 from pagedkv.serve.api.chat import ChatCompletionRequest
 from pagedkv.serve.api.completion import ServedCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
@@ -40,8 +42,10 @@ from pagedkv.serve.http.admission import (
     max_prompt_chars,
     validated_body,
 )
+from pagedkv.serve.http.body_budget import BodyBudget
 from pagedkv.serve.http.metrics import ServerMetrics
 from pagedkv.serve.logprobs_format import TokenTexts
+from pagedkv.serve.malloc_trim import PeriodicTrim
 from pagedkv.serve.responses import Job, collect, stream_events
 from pagedkv.serve.responses_api import add_responses_route
 from pagedkv.serve.structured_request import Parsers, compile_check
@@ -73,6 +77,8 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     allow_additional_properties: bool = False  # JSON schemas as given, not closed to unlisted keys
+    max_prompt_logprobs_tokens: int | None = None  # prompt tokens per request with prompt_logprobs (None: context)
+    max_inflight_body_bytes: int | None = None  # request bodies read or parsed at once (None: 4 bodies' worth)
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -92,11 +98,18 @@ class ServerState:
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
+        self.answer_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-answer")  # big answers, off the loop
+        self.max_prompt_logprobs_tokens = self.max_prompt_logprobs_tokens or self.max_model_len
+        self.body_budget = BodyBudget(self.max_inflight_body_bytes or 4 * self.max_request_bytes)
+        self.bodies_read = 0  # request bodies read: with the engine's steps, the memory trimmer's activity
+        self.trimmer = PeriodicTrim(lambda: self.engine.steps + self.bodies_read)
         self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     def close(self) -> None:
+        self.trimmer.stop()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.answer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -105,6 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
         state.engine.start()
+        state.trimmer.start()
         try:
             yield
         finally:
@@ -276,6 +290,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     max_tokens = body.max_tokens_for(longest, limit, (state.sampling_defaults or {}).get("max_tokens"))
     constraint, field = structured
     params = body.to_sampling_params(max_tokens, state.vocab_size, state.sampling_defaults, constraint)
+    check_prompt_logprobs(body, params, prompts, state.max_prompt_logprobs_tokens)
     sequences = len(prompts) * params.n
     if sequences > state.engine.max_waiting:
         raise InvalidField("n", f"this request needs {sequences} sequences (n x prompts), more than this server's "
@@ -308,12 +323,13 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     if body.stream:
         return StreamingResponse(stream_events(job, body.include_usage), media_type="text/event-stream")
     try:
-        status, payload = await _unless_disconnected(request, collect(job))
+        status, payload = await _unless_disconnected(request, collect(job, state.answer_pool))
     finally:
         job.close()
     if status is None:
         return Response(status_code=499)
-    return JSONResponse(payload, status_code=status)
+    content = await asyncio.get_running_loop().run_in_executor(state.answer_pool, encode_json, payload)
+    return Response(content, status_code=status, media_type="application/json")
 
 
 def _queue_full(state: ServerState, message: str) -> JSONResponse:
