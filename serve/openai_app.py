@@ -33,6 +33,7 @@ from pagedkv.serve.api.completion import ServedCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
 from pagedkv.serve.api.generation import GenerationRequest
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from pagedkv.serve.heap import PeriodicTrim, freeze_startup_heap
 from pagedkv.serve.http.admission import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_chars,
@@ -45,7 +46,6 @@ from pagedkv.serve.http.admission import (
 from pagedkv.serve.http.body_budget import BodyBudget
 from pagedkv.serve.http.metrics import ServerMetrics
 from pagedkv.serve.logprobs_format import TokenTexts
-from pagedkv.serve.malloc_trim import PeriodicTrim
 from pagedkv.serve.responses import Job, collect, stream_events
 from pagedkv.serve.responses_api import add_responses_route
 from pagedkv.serve.structured_request import Parsers, compile_check
@@ -117,6 +117,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
+        freeze_startup_heap()  # the model and the imports are loaded: collections need not walk them again
         state.engine.start()
         state.trimmer.start()
         try:

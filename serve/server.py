@@ -28,7 +28,8 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
                 metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-                allow_additional_properties: bool = False, stream_stall_timeout: float | None = 15.0) -> Any:
+                allow_additional_properties: bool = False, stream_stall_timeout: float | None = 15.0,
+                max_prompt_logprobs_tokens: int | None = None, max_inflight_body_bytes: int | None = None) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -47,7 +48,9 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                         served_model_names=served_model_names, sampling_defaults=sampling_defaults,
                         max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser,
-                        allow_additional_properties=allow_additional_properties)
+                        allow_additional_properties=allow_additional_properties,
+                        max_prompt_logprobs_tokens=max_prompt_logprobs_tokens,
+                        max_inflight_body_bytes=max_inflight_body_bytes)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug", http=guarded_protocol(header_timeout, send_timeout),
