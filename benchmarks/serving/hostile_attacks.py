@@ -242,8 +242,8 @@ def big_logprobs(run: AttackRun) -> None:
         thread.join()
 
 
-@attack("big-tokenize", "4 clients posting /tokenize of 3.9 MB of text and /detokenize of 1.3 M ids (3.9 MB each), under the "
-        "body cap (400: over the context, counted before parsing)")
+@attack("big-tokenize", "4 clients posting /tokenize of 3.9 MB of text and /detokenize of 1.3 M ids (3.9 MB), "
+        "under the body cap (400: over the context, counted before parsing)")
 def big_tokenize(run: AttackRun) -> None:
     text = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 150_000}).encode()
     ids = json.dumps({"tokens": [7] * 1_300_000}).encode()
