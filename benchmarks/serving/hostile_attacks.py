@@ -226,16 +226,16 @@ def big_logprobs(run: AttackRun) -> None:
             "top_logprobs": 20, "ignore_eos": True}
     prompts = {"prompt": [[100 + i] * 900 for i in range(32)], "max_tokens": 1, "prompt_logprobs": 20}
 
-    def loop(path: str, body: dict) -> Callable[[], None]:
+    def loop(label: str, path: str, body: dict) -> Callable[[], None]:
         def go() -> None:
             while run.going():
                 time.sleep(run.pause)
                 got = run.post(path, body)
-                run.record(f"{path.rsplit('/', 1)[1]} {got.status_code if isinstance(got, httpx.Response) else got}")
+                run.record(f"{label} {got.status_code if isinstance(got, httpx.Response) else got}")
         return go
 
-    threads = [threading.Thread(target=loop("/v1/chat/completions", chat)),
-               threading.Thread(target=loop("/v1/completions", prompts))]
+    threads = [threading.Thread(target=loop("chat", "/v1/chat/completions", chat)),
+               threading.Thread(target=loop("prompt_logprobs", "/v1/completions", prompts))]
     for thread in threads:
         thread.start()
     for thread in threads:
