@@ -200,13 +200,23 @@ def _stalled_stream(run: AttackRun, body: dict) -> socket.socket | None:
     return sock
 
 
+def _gauge(run: AttackRun, name: str) -> str:
+    try:
+        text = httpx.get(run.url + "/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    values = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(f"pagedkv:{name}")]
+    return values[0] if values else "?"
+
+
 @attack("slow-reader", "2 streams of n=4 x 900 tokens with logprobs whose client stops reading "
-        "(aborted after --stream-stall-timeout, unread outputs replaced, not queued)")
+        "(aborted after --stream-stall-timeout: run --seconds 20 to see it; unread outputs replaced, not queued)")
 def slow_reader(run: AttackRun) -> None:
     body = {"prompt": "a", "max_tokens": 900, "n": 4, "logprobs": 5, "ignore_eos": True, "stream": True}
     socks = [s for s in (_stalled_stream(run, body) for _ in range(2)) if s is not None]
     while run.going():
         time.sleep(0.2)
+    run.record(f"running at the end: {_gauge(run, 'num_requests_running')}")  # 0 once the stall timeout is past
     for sock in socks:
         try:
             sock.setblocking(False)
