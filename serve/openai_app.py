@@ -330,7 +330,14 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     if status is None:
         return Response(status_code=499)
     content = await asyncio.get_running_loop().run_in_executor(state.answer_pool, encode_json, payload)
-    return Response(content, status_code=status, media_type="application/json")
+    return EncodedJSONResponse(content, status_code=status)
+
+
+class EncodedJSONResponse(JSONResponse):
+    """A JSONResponse whose body was encoded already (off the event loop, by ``encode_json``)."""
+
+    def render(self, content: Any) -> bytes:
+        return content
 
 
 def _queue_full(state: ServerState, message: str) -> JSONResponse:
