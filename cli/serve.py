@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a client may accept no bytes of a response (it stopped reading) before the connection is "
       "aborted and its requests end, freeing their KV blocks; nginx's send_timeout; 0 turns it off "
       "(default: %(default)s)")
+    a("--stream-stall-timeout", type=float, default=15.0,
+      help="seconds a stream's reader may leave an output unread (it stopped reading) before its requests are "
+      "aborted, freeing their KV blocks; unread outputs are replaced by newer ones meanwhile, never queued; "
+      "0 turns it off (default: %(default)s)")
+    a("--max-inflight-body-bytes", default=None,
+      help="request bytes all bodies being read or parsed may hold together, e.g. 16MiB; a body that does not fit "
+      "waits (within --body-timeout) (default: 4 x --max-request-bytes)%(default).0s")
     a("--timeout-keep-alive", type=float, default=5.0,
       help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     a("--limit-concurrency", type=int, default=1024,
@@ -65,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "length and memory limit; without it such a request is refused with 400, as vLLM does")
     a("--max-logprobs", type=int, default=20,
       help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for, up to 20 (default: %(default)s)")
+    a("--max-prompt-logprobs-tokens", type=int, default=None,
+      help="prompt tokens, all of a request's prompts together, whose prompt_logprobs (or echoed logprobs) a "
+      "request may ask for; more is a 400 (default: the model's context length)%(default).0s")
     a("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
       help="Prometheus metric prefix; vllm gives vLLM's names, so its dashboards work unchanged "
       "(default: %(default)s)")
@@ -171,6 +181,9 @@ def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults:
                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
                          allow_additional_properties=args.structured_outputs_allow_additional_properties,
-                         trust_request_chat_template=args.trust_request_chat_template)
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         stream_stall_timeout=args.stream_stall_timeout or None,
+                         max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
+                         max_inflight_body_bytes=args.max_inflight_body_bytes)
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

@@ -4,8 +4,10 @@ The :class:`~pagedkv.core.engine.Engine` is not thread-safe, so only the loop th
 touches it. The asyncio side puts ``add`` and ``abort`` commands in an inbox; the loop
 takes them between steps (requests that arrive while it steps join the next step:
 continuous batching across HTTP clients), steps while anything is unfinished, and
-sleeps on a condition when idle. Each step's outputs go to their requests' asyncio
-queues with one ``call_soon_threadsafe`` per step.
+sleeps on a condition when idle. Each step's outputs go to their requests' mailboxes
+(``stream_mailbox``: the newest snapshot only) with one ``call_soon_threadsafe`` per step;
+a request whose reader leaves an output unread for ``stall_timeout`` seconds (a client
+that stopped reading its stream) is aborted there, its KV blocks freed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +25,7 @@ from typing import Any
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.sequence import RequestOutput
+from pagedkv.serve.stream_mailbox import Mailbox
 
 SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
 
@@ -44,11 +48,15 @@ class Aborted(Exception):
     """The server ended the request early (shutdown grace period over): finish reason ``abort``."""
 
 
+class StreamStalled(Aborted):
+    """The reader took no output for ``stall_timeout`` seconds (it stopped reading): the request was aborted."""
+
+
 @dataclass
 class _Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    mailbox: Mailbox = field(default_factory=Mailbox)
     accepted: asyncio.Future | None = None
 
 
@@ -57,13 +65,18 @@ class AsyncEngine:
 
     ``max_waiting`` bounds the sequences waiting for a first step (queued adds included, each
     counted with its ``n`` samples, so one ``n=64`` request cannot overfill a queue of 8);
-    ``on_step`` is called on the loop thread after every step with the engine (metrics).
+    ``on_step`` is called on the loop thread after every step with the engine (metrics);
+    ``stall_timeout`` (seconds, None: never) ends a request whose reader leaves an output unread
+    that long (:class:`StreamStalled`).
     """
 
-    def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None,
+                 stall_timeout: float | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step
+        self.stall_timeout = stall_timeout
+        self.steps = 0  # steps run (written by the loop thread; malloc_trim's sign of activity)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []  # ("add", (stream, prompt, params)) / ("abort", request_id)
         self._pending_adds = 0  # adds in the inbox: counted as waiting
@@ -180,6 +193,7 @@ class AsyncEngine:
                 message = f"the engine step failed: {type(exc).__name__}: {exc}"
                 self._end_all(partial(RequestFailed, message))
                 continue
+            self.steps += 1
             self._deliver(outputs)
             with self._cv:
                 self._waiting = len(engine.scheduler.waiting)
@@ -220,24 +234,37 @@ class AsyncEngine:
     def _abort_cleanly(self, request_id: str) -> None:
         stream = self._streams.pop(request_id)
         self.engine.abort(request_id)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Aborted("the server is stopping"))
+        stream.loop.call_soon_threadsafe(stream.mailbox.end, Aborted("the server is stopping"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._streams[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream.queue, out))
+            batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(self._hand_over, batch)
+
+    def _hand_over(self, batch: list[tuple[_Stream, Any]]) -> None:
+        """(On the asyncio loop) each output to its mailbox; a request whose reader stalled is aborted instead."""
+        now = time.monotonic()
+        for stream, out in batch:
+            if out.finished or not stream.mailbox.stalled(now, self.stall_timeout):
+                stream.mailbox.put(out, now)
+                continue
+            log.warning("aborting request %s: its reader took no output for %.3g s (--stream-stall-timeout)",
+                        stream.request_id, self.stall_timeout)
+            stream.mailbox.end(StreamStalled(f"the reader took no output for {self.stall_timeout:g} s"),
+                               drop_unread=True)
+            self.abort(stream.request_id)
 
     def _end_all(self, error: Callable[[], BaseException]) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error())
+            stream.loop.call_soon_threadsafe(stream.mailbox.end, error())
         self._streams.clear()
 
 
@@ -256,10 +283,11 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._stream.queue.get()
-        if isinstance(item, BaseException):
+        try:
+            item = await self._stream.mailbox.get()
+        except Exception:  # the request's end (a cancelled reader is not: close() must still abort it)
             self.finished = True
-            raise item
+            raise
         if item.finished:
             self.finished = True
         return item
@@ -279,7 +307,3 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     else:
         future.set_exception(error)
 
-
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)

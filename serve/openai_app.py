@@ -26,11 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.core.errors import RequestRejected
+from pagedkv.serve.answer_json import encode_json
+from pagedkv.serve.api.answer_limits import check_prompt_logprobs
 from pagedkv.serve.api.chat import ChatCompletionRequest
 from pagedkv.serve.api.completion import ServedCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, error_body, validation_error_body
 from pagedkv.serve.api.generation import GenerationRequest
 from pagedkv.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from pagedkv.serve.heap import PeriodicTrim, freeze_startup_heap
 from pagedkv.serve.http.admission import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_chars,
@@ -40,6 +43,7 @@ from pagedkv.serve.http.admission import (
     max_prompt_chars,
     validated_body,
 )
+from pagedkv.serve.http.body_budget import BodyBudget
 from pagedkv.serve.http.metrics import ServerMetrics
 from pagedkv.serve.http.template_sandbox import TemplateSandbox
 from pagedkv.serve.logprobs_format import TokenTexts
@@ -75,6 +79,8 @@ class ServerState:
     reasoning_parser: str | None = None
     allow_additional_properties: bool = False  # JSON schemas as given, not closed to unlisted keys
     trust_request_chat_template: bool = False  # render requests' own chat templates (in a sandbox), as vLLM's flag
+    max_prompt_logprobs_tokens: int | None = None  # prompt tokens per request with prompt_logprobs (None: context)
+    max_inflight_body_bytes: int | None = None  # request bodies read or parsed at once (None: 4 bodies' worth)
 
     def __post_init__(self) -> None:
         core = self.engine.engine
@@ -94,6 +100,11 @@ class ServerState:
         # one thread owns the tokenizer; parsing and validation (pure functions) get a few of their own
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenize")
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
+        self.answer_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-answer")  # big answers, off the loop
+        self.max_prompt_logprobs_tokens = self.max_prompt_logprobs_tokens or self.max_model_len
+        self.body_budget = BodyBudget(self.max_inflight_body_bytes or 4 * self.max_request_bytes)
+        self.bodies_read = 0  # request bodies read: with the engine's steps, the memory trimmer's activity
+        self.trimmer = PeriodicTrim(lambda: self.engine.steps + self.bodies_read)
         self.parsers = Parsers(core.pm, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser,
                               self.tokenizer)
         self.templates = None  # requests' chat templates: refused unless trusted, then sandboxed
@@ -102,8 +113,10 @@ class ServerState:
             self.templates = TemplateSandbox(special, self.max_prompt_chars)
 
     def close(self) -> None:
+        self.trimmer.stop()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.answer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -111,7 +124,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
+        freeze_startup_heap()  # the model and the imports are loaded: collections need not walk them again
         state.engine.start()
+        state.trimmer.start()
         try:
             yield
         finally:
@@ -284,6 +299,7 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     constraint, field = structured
     shaper, constraint = state.parsers.after_reasoning(shaper, constraint, prompts[0])
     params = body.to_sampling_params(max_tokens, state.vocab_size, state.sampling_defaults, constraint)
+    check_prompt_logprobs(body, params, prompts, state.max_prompt_logprobs_tokens)
     sequences = len(prompts) * params.n
     if sequences > state.engine.max_waiting:
         raise InvalidField("n", f"this request needs {sequences} sequences (n x prompts), more than this server's "
@@ -316,12 +332,20 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     if body.stream:
         return StreamingResponse(stream_events(job, body.include_usage), media_type="text/event-stream")
     try:
-        status, payload = await _unless_disconnected(request, collect(job))
+        status, payload = await _unless_disconnected(request, collect(job, state.answer_pool))
     finally:
         job.close()
     if status is None:
         return Response(status_code=499)
-    return JSONResponse(payload, status_code=status)
+    content = await asyncio.get_running_loop().run_in_executor(state.answer_pool, encode_json, payload)
+    return EncodedJSONResponse(content, status_code=status)
+
+
+class EncodedJSONResponse(JSONResponse):
+    """A JSONResponse whose body was encoded already (off the event loop, by ``encode_json``)."""
+
+    def render(self, content: Any) -> bytes:
+        return content
 
 
 def _queue_full(state: ServerState, message: str) -> JSONResponse:

@@ -118,22 +118,28 @@ async def _merged(job: Job) -> AsyncIterator[tuple[int, Any]]:
             timers[0].observe(out)
             yield 0, out
         return
+    # each pump waits until its output is taken, so a reader that stops reading leaves one output per prompt
+    # here and the rest unread in the handles' mailboxes (replaced, not queued; aborted when stalled)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
         try:
             async for out in handle:
                 timers[index].observe(out)
-                queue.put_nowait((index, out))
+                taken = asyncio.Event()
+                queue.put_nowait((index, out, taken))
+                await taken.wait()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((index, exc))
-        queue.put_nowait((index, None))
+            queue.put_nowait((index, exc, None))
+        queue.put_nowait((index, None, None))
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(job.handles)]
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
+            index, item, taken = await queue.get()
+            if taken is not None:
+                taken.set()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -157,11 +163,13 @@ def _error_of(completion: Any) -> str | None:
     return completion.error or "the request failed"
 
 
-async def collect(job: Job) -> tuple[int, dict[str, Any]]:
+async def collect(job: Job, pool: Any = None) -> tuple[int, dict[str, Any]]:
     """The whole answer as one JSON body (status, body); a failed request answers 500 with its error.
 
     A request the server ends early (the shutdown grace period is over) answers 200 with the
-    text it has so far and finish reason ``abort``, as a stream would.
+    text it has so far and finish reason ``abort``, as a stream would. The body is built on
+    ``pool`` (an executor; None: asyncio's default), off the event loop: ``n=64`` answers with
+    20 top logprobs per token are millions of entries to format.
     """
     finals: dict[int, Any] = {}  # prompt index -> its latest (cumulative) output
     aborted = False
@@ -173,6 +181,11 @@ async def collect(job: Job) -> tuple[int, dict[str, Any]]:
         return 500, error_body(str(exc), "internal_server_error", code=500)
     except Aborted:
         aborted = True
+    return await asyncio.get_running_loop().run_in_executor(pool, _body, job, finals, aborted)
+
+
+def _body(job: Job, finals: dict[int, Any], aborted: bool) -> tuple[int, dict[str, Any]]:
+    """(On a worker thread) the answer of ``collect`` from each prompt's final output."""
     choices, completion_tokens = [], 0
     for p in sorted(finals):
         for c in finals[p].outputs:

@@ -41,17 +41,22 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     """Refuse impossible or unsafe flags; return the API key to use."""
     if isinstance(args.max_request_bytes, str):
         args.max_request_bytes = parse_bytes(args.max_request_bytes)
+    if isinstance(getattr(args, "max_inflight_body_bytes", None), str):
+        args.max_inflight_body_bytes = parse_bytes(args.max_inflight_body_bytes)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a TCP port (0..65535)")
     for flag, value, low in (("--max-waiting", args.max_waiting, 1), ("--limit-concurrency", args.limit_concurrency, 1),
-                             ("--max-request-bytes", args.max_request_bytes, 1024)):
+                             ("--max-request-bytes", args.max_request_bytes, 1024),
+                             ("--max-inflight-body-bytes", getattr(args, "max_inflight_body_bytes", None), 1024),
+                             ("--max-prompt-logprobs-tokens", getattr(args, "max_prompt_logprobs_tokens", None), 1)):
         if value is not None and value < low:
             raise ConfigError(f"{flag} {value} must be at least {low}")
     for flag, value, zero_ok in (("--shutdown-timeout", args.shutdown_timeout, True),
                                  ("--header-timeout", args.header_timeout, False),
                                  ("--body-timeout", args.body_timeout, False),
                                  ("--timeout-keep-alive", args.timeout_keep_alive, False),
-                                 ("--send-timeout", args.send_timeout, True)):
+                                 ("--send-timeout", args.send_timeout, True),
+                                 ("--stream-stall-timeout", getattr(args, "stream_stall_timeout", 0.0), True)):
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise ConfigError(f"{flag} {value} must be a finite number of seconds{'' if zero_ok else ' above 0'}")
     key = api_key_of(args)

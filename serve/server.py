@@ -28,7 +28,9 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = 20,
                 metrics_prefix: str = "pagedkv", tool_call_parser: str | None = None,
                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-                allow_additional_properties: bool = False, trust_request_chat_template: bool = False) -> Any:
+                allow_additional_properties: bool = False, trust_request_chat_template: bool = False,
+                stream_stall_timeout: float | None = 15.0,
+                max_prompt_logprobs_tokens: int | None = None, max_inflight_body_bytes: int | None = None) -> Any:
     """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
     import uvicorn
 
@@ -40,14 +42,17 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off")
     metrics = ServerMetrics(model_name, prefix=metrics_prefix)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine,
+                               stall_timeout=stream_stall_timeout)
     state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
                         max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
                         served_model_names=served_model_names, sampling_defaults=sampling_defaults,
                         max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser,
                         allow_additional_properties=allow_additional_properties,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template,
+                        max_prompt_logprobs_tokens=max_prompt_logprobs_tokens,
+                        max_inflight_body_bytes=max_inflight_body_bytes)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
                             access_log=log_level == "debug", http=guarded_protocol(header_timeout, send_timeout),

@@ -16,7 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from pagedkv.serve.api.chat import render_chat
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.tokenize_request import DetokenizeRequest, TokenizeRequest
-from pagedkv.serve.http.admission import chat_text, validated_body
+from pagedkv.serve.http.admission import bounded_ids, chat_text, check_chars, validated_body
 
 
 def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
@@ -37,6 +37,8 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
         body = await validated_body(state, request, TokenizeRequest)
         check_model(body.model)
         body.check_rules()
+        if body.prompt is not None:
+            check_chars("prompt", len(body.prompt), state)
         text = None  # a request's own chat template renders in the sandbox, off the tokenizer's thread
         if body.messages is not None:
             text = await chat_text(state, body, body.conversation(), body.template_arguments())
@@ -45,6 +47,10 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
     def _tokenize(body: TokenizeRequest, text: str | None) -> dict[str, Any]:
         try:
             ids = _ids(body, text)
+            if len(ids) > state.max_model_len:
+                field = "prompt" if body.prompt is not None else "messages"
+                raise InvalidField(field, f"the {field} has {len(ids):,} tokens, more than this model's context of "
+                                   f"{state.max_model_len} tokens")
         except InvalidField:
             raise
         except Exception as exc:  # noqa: BLE001 - the client's text (a lone surrogate, ...), not the server, is at fault
@@ -57,16 +63,23 @@ def add_tokenizer_routes(app: FastAPI, state: Any, check_key: Any) -> None:
         return answer
 
     def _ids(body: TokenizeRequest, text: str | None) -> list[int]:
+        # as vLLM's, a text over the context is refused (and tokenized in bounded prefixes until that is known)
         if body.prompt is not None:
-            return encode_text(state, body.prompt, body.special_tokens())
+            if state.tokenizer is None:
+                encode_text(state, body.prompt)  # its 400
+            return bounded_ids("prompt", state.tokenizer, body.prompt, state.max_model_len, body.special_tokens())
         if text is None:
             text = render_chat(state.tokenizer, state.model_name, body.conversation(), body.template_arguments())
-        return list(state.tokenizer(text, add_special_tokens=body.special_tokens())["input_ids"])
+        return bounded_ids("messages", state.tokenizer, text, state.max_model_len, body.special_tokens())
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await validated_body(state, request, DetokenizeRequest)
+        # at most a context's worth of ids, counted before the body is parsed (vLLM refuses more too)
+        body = await validated_body(state, request, DetokenizeRequest, state.max_model_len + 16, "tokens")
         check_model(body.model)
+        if len(body.tokens) > state.max_model_len:
+            raise InvalidField("tokens", f"{len(body.tokens):,} token ids are more than this model's context of "
+                               f"{state.max_model_len} tokens")
         if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= state.vocab_size):
             raise InvalidField("tokens", f"token ids must be in 0..{state.vocab_size - 1}")
         return {"prompt": decode_ids(state, body.tokens)}

@@ -4,24 +4,22 @@
     python benchmarks/serving/hostile_client.py --seconds 8 --json out.json
 
 It starts one server (under ``ulimit -n 256``, the default limits of ``engine serve``),
-then runs a quiet phase and one phase per attack. In every phase a well-behaved client
-streams greedy completions on a kept-alive connection and a prober GETs ``/health`` every
-50 ms; the attack runs from its own process, so it cannot slow the measuring one. Attacks:
+then runs a quiet phase and one phase per attack. In every phase a well-behaved client (the
+bystander) streams greedy completions on a kept-alive connection and a prober GETs ``/health``
+every 50 ms; the attack runs from its own process, so it cannot slow the measuring one. The
+attacks are the functions of ``hostile_attacks.py`` (``--list`` prints them); add one there, the
+runner needs no change.
 
-- ``oversize``: 4 clients posting 8 MiB bodies (the limit is 4 MiB: 413 before reading)
-- ``slowloris``: 64 connections sending a header byte every 0.5 s (closed at the header deadline)
-- ``idle``: 300 silent sockets, more than the server has descriptors for (EMFILE)
-- ``stops``: 4 clients posting requests with 5,000 stop strings each (400 at validation)
-- ``long-prompts``: 4 clients posting prompts of 40,000 characters (refused after a bounded tokenization)
-- ``cpu-burn`` (a control, no traffic): one process spinning for the phase, to show what losing a
-  core to anything costs the stream on this machine
+Each phase reports the bystander's inter-token latency p50/p99 (gaps between content chunks) and
+its ratio to the quiet phase, ``/health`` p99, the server's RSS before the attack and ``--settle``
+seconds after it (default 60: the issue's "a minute after"), the tracebacks the phase added to the
+server log, the attack's ``500`` answers, and whether issue 42's goals held: ``/health`` p99 <
+100 ms, ITL p99 within 1.5x quiet, RSS within 10 % of before, 0 tracebacks, 0 answers of 500.
 
-The posting attackers wait ``--pause`` seconds between requests (default 0.2: about 20
-requests/s in all); ``--pause 0`` floods, which on a small shared machine measures mostly
-the CPU the attacker and the server's request handling take from the engine thread. All
-traffic goes to 127.0.0.1, bounded in count and time. It reports, per phase, the good
-client's p50/p99 inter-token latency (gaps between content chunks) and its ratio to the
-quiet phase, ``/health`` p99, what the attack got back, and the tracebacks in the server log.
+The posting attackers wait ``--pause`` seconds between requests (default 0.2); ``--pause 0``
+floods, which on a small shared machine measures mostly the CPU the attacker and the server's
+request handling take from the engine thread. All traffic goes to 127.0.0.1, bounded in count
+and time: about (``--seconds`` + ``--settle`` + 3) s per phase.
 """
 
 from __future__ import annotations
@@ -37,14 +35,19 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_attacks
 
-ATTACKS = ("oversize", "slowloris", "idle", "stops", "long-prompts")
-CONTROLS = ("cpu-burn",)  # no traffic: one process spinning, to tell the machine's contention from the server's
+from hostile_attacks import REGISTRY, AttackRun  # noqa: E402 - after the path
+
+ATTACKS = tuple(name for name, a in REGISTRY.items() if not a.control)
+CONTROLS = tuple(name for name, a in REGISTRY.items() if a.control)  # no traffic: the machine's contention
+GOALS = {"health_p99_ms": 100.0, "itl_p99_vs_quiet": 1.5, "rss_growth": 0.10}  # issue 42
 
 
 def tiny_model_dir(root: Path) -> Path:
@@ -134,94 +137,27 @@ def health_prober(url: str, stop: threading.Event, latencies: list[float], error
 # --- the attacking side (its own process) --------------------------------------------------------------------------
 
 
-def _post_loop(url: str, body: bytes, until: float, results: list[str], pause: float) -> None:
-    with httpx.Client(base_url=url, timeout=30) as client:
-        while time.monotonic() < until:
-            time.sleep(pause)
-            try:
-                response = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
-                results.append(str(response.status_code))
-            except httpx.HTTPError as exc:
-                results.append(type(exc).__name__)
-
-
-def _slowloris(host: str, port: int, until: float, results: list[str]) -> None:
-    socks = []
-    for _ in range(64):
-        try:
-            socks.append(socket.create_connection((host, port), timeout=2))
-        except OSError as exc:
-            results.append(type(exc).__name__)
-    line = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
-    position = 0
-    while time.monotonic() < until and socks:
-        for sock in list(socks):
-            try:
-                sock.send(line[position:position + 1])
-            except OSError:
-                results.append("closed")
-                socks.remove(sock)
-        position += 1
-        time.sleep(0.5)
-    results.extend("open at the end" for _ in socks)
-    for sock in socks:
-        sock.close()
-
-
-def _idle(host: str, port: int, until: float, results: list[str]) -> None:
-    socks = []
-    for _ in range(300):
-        sock = socket.socket()
-        sock.setblocking(False)
-        try:
-            sock.connect((host, port))
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            results.append(type(exc).__name__)
-        socks.append(sock)
-    while time.monotonic() < until:
-        time.sleep(0.2)
-    closed = 0
-    for sock in socks:
-        try:
-            closed += sock.recv(1) == b""
-        except BlockingIOError:
-            pass
-        except OSError:
-            closed += 1
-        sock.close()
-    results.append(f"{closed} of 300 closed by the server")
-
-
 def attack(kind: str, url: str, seconds: float, pause: float, queue: multiprocessing.Queue) -> None:
-    host, port = url.removeprefix("http://").split(":")
-    until = time.monotonic() + seconds
-    results: list[str] = []
-    if kind == "cpu-burn":
-        spins = 0
-        while time.monotonic() < until:
-            spins += 1
-        results.append("spun")
-    elif kind == "slowloris":
-        _slowloris(host, int(port), until, results)
-    elif kind == "idle":
-        _idle(host, int(port), until, results)
-    else:
-        body = {
-            "oversize": json.dumps({"prompt": "x" * (8 << 20)}).encode(),
-            "stops": json.dumps({"prompt": "x", "stop": [f"stop{i}" for i in range(5000)]}).encode(),
-            "long-prompts": json.dumps({"prompt": "lorem ipsum dolor " * 2222}).encode(),
-        }[kind]
-        threads = [threading.Thread(target=_post_loop, args=(url, body, until, results, pause)) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    run = AttackRun(url, time.monotonic() + seconds, pause)
+    try:
+        REGISTRY[kind].run(run)
+    except Exception as exc:  # noqa: BLE001 - the attacker's own failure is a result, not the end of the run
+        run.record(f"attacker failed: {type(exc).__name__}: {exc}")
     counts: dict[str, int] = {}
-    for result in results:
+    for result in run.results:
         counts[result] = counts.get(result, 0) + 1
     queue.put(counts)
+
+
+def rss_mib(pid: int) -> float:
+    """The resident set of process ``pid`` in MiB (from /proc; NaN where there is none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 # --- one phase, and the run -------------------------------------------------------------------------------------------
@@ -234,70 +170,114 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def phase(url: str, kind: str | None, seconds: float, pause: float = 0.0) -> dict:
+@dataclass
+class Server:
+    """The server under attack: where it answers, its process (RSS) and its log (tracebacks)."""
+
+    url: str
+    pid: int
+    log: Path
+
+    def tracebacks(self) -> int:
+        return self.log.read_text(errors="replace").count("Traceback")
+
+
+def _fivehundreds(outcome: dict) -> int:
+    return sum(count for result, count in outcome.items() if result == "500" or result.endswith(" 500"))
+
+
+def phase(server: Server, kind: str | None, seconds: float, pause: float = 0.0, settle: float = 0.0) -> dict:
     stop = threading.Event()
     gaps: list[float] = []
     health: list[float] = []
     good_errors: list[str] = []
     health_errors: list[str] = []
-    threads = [threading.Thread(target=good_client, args=(url, stop, gaps, good_errors)),
-               threading.Thread(target=health_prober, args=(url, stop, health, health_errors))]
+    threads = [threading.Thread(target=good_client, args=(server.url, stop, gaps, good_errors)),
+               threading.Thread(target=health_prober, args=(server.url, stop, health, health_errors))]
     for thread in threads:
         thread.start()
     time.sleep(1.0)  # warm: both connections open
     gaps.clear()
     health.clear()
+    rss_before, tracebacks_before = rss_mib(server.pid), server.tracebacks()
     outcome: dict = {}
     if kind is None:
         time.sleep(seconds)
     else:
         queue: multiprocessing.Queue = multiprocessing.Queue()
-        attacker = multiprocessing.Process(target=attack, args=(kind, url, seconds, pause, queue))
+        attacker = multiprocessing.Process(target=attack, args=(kind, server.url, seconds, pause, queue))
         attacker.start()
-        outcome = queue.get(timeout=seconds + 120)
+        outcome = queue.get(timeout=seconds + 300)
         attacker.join(30)
     stop.set()
     for thread in threads:
         thread.join(60)
+    time.sleep(settle)  # what the attack left is closed, aborted, freed and trimmed
+    rss_after = rss_mib(server.pid)
     return {"attack": kind or "quiet", "itl_p50_ms": 1000 * _pct(gaps, 0.5), "itl_p99_ms": 1000 * _pct(gaps, 0.99),
             "tokens": len(gaps), "health_p99_ms": 1000 * _pct(health, 0.99), "health_max_ms": 1000 * max(health),
-            "health_errors": len(health_errors), "good_errors": len(good_errors), "attack_got": outcome}
+            "health_errors": len(health_errors), "good_errors": len(good_errors), "attack_got": outcome,
+            "rss_before_mib": rss_before, "rss_after_mib": rss_after, "settle_s": settle,
+            "tracebacks": server.tracebacks() - tracebacks_before, "answers_500": _fivehundreds(outcome)}
+
+
+def goals_met(row: dict) -> bool:
+    """Issue 42's goals for one phase (the RSS one only when it was measured)."""
+    growth = row["rss_after_mib"] / row["rss_before_mib"] - 1 if row["rss_before_mib"] else 0.0
+    return (row["health_p99_ms"] < GOALS["health_p99_ms"] and row["itl_p99_vs_quiet"] <= GOALS["itl_p99_vs_quiet"]
+            and not growth > GOALS["rss_growth"] and row["tracebacks"] == 0 and row["answers_500"] == 0)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'phase':<14}{'ITL p50':>9}{'ITL p99':>9}{'x quiet':>9}{'health p99':>11}{'RSS MiB':>17}{'tb':>4}"
+          f"{'500':>5}{'errors':>7} {'goals':<6} attack got")
+    for row in rows:
+        rss = f"{row['rss_before_mib']:.0f}->{row['rss_after_mib']:.0f}"
+        print(f"{row['attack']:<14}{row['itl_p50_ms']:>9.1f}{row['itl_p99_ms']:>9.1f}"
+              f"{row['itl_p99_vs_quiet']:>9.2f}{row['health_p99_ms']:>11.1f}{rss:>17}{row['tracebacks']:>4}"
+              f"{row['answers_500']:>5}{row['health_errors'] + row['good_errors']:>7} "
+              f"{'met' if row['goals_met'] else 'MISSED':<6} {row['attack_got']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase's attack")
+    parser.add_argument("--settle", type=float, default=60.0,
+                        help="seconds after each attack before the server's RSS is read again (default: 60)")
     parser.add_argument("--attack", action="append", choices=ATTACKS + CONTROLS,
                         help="only these attacks (default: all, then the cpu-burn control)")
+    parser.add_argument("--list", action="store_true", help="print the attacks and exit")
     parser.add_argument("--pause", type=float, default=0.2,
-                        help="seconds each of the 4 posting attackers waits between requests (0: flat out)")
+                        help="seconds each posting attacker waits between requests (0: flat out)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.list:
+        for name, entry in REGISTRY.items():
+            print(f"{name:<14} {entry.help}{' (control)' if entry.control else ''}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="pagedkv-hostile-") as tmp:
         model = tiny_model_dir(Path(tmp) / "model")
         log = Path(tmp) / "server.log"
         proc, url = start_server(model, log)
+        server = Server(url, proc.pid, log)
         rows = []
         try:
             for kind in [None, *(args.attack or ATTACKS + CONTROLS)]:
-                rows.append(phase(url, kind, args.seconds, args.pause))
+                rows.append(phase(server, kind, args.seconds, args.pause, args.settle if kind else 2.0))
                 print(json.dumps(rows[-1]), flush=True)
-                time.sleep(2.0)  # let the deadlines close what the attack left
-            rows.append(phase(url, None, args.seconds))  # quiet again: the baseline did not drift
+            rows.append(phase(server, None, args.seconds, settle=0.0))  # quiet again: the baseline did not drift
             print(json.dumps(rows[-1]), flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
         text = log.read_text()
     quiet = min(rows[0]["itl_p99_ms"], rows[-1]["itl_p99_ms"])
-    print(f"\nload average {os.getloadavg()[0]:.2f}; server log: {len(text.splitlines())} lines, "
-          f"{text.count('Traceback')} tracebacks")
-    print(f"{'phase':<14}{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'x quiet':>9}{'health p99':>12}{'errors':>8}  attack got")
     for row in rows:
         row["itl_p99_vs_quiet"] = row["itl_p99_ms"] / quiet
-        print(f"{row['attack']:<14}{row['itl_p50_ms']:>11.1f}{row['itl_p99_ms']:>11.1f}"
-              f"{row['itl_p99_vs_quiet']:>9.2f}{row['health_p99_ms']:>12.1f}"
-              f"{row['health_errors'] + row['good_errors']:>8}  {row['attack_got']}")
+        row["goals_met"] = goals_met(row)
+    print(f"\nload average {os.getloadavg()[0]:.2f}; server log: {len(text.splitlines())} lines, "
+          f"{text.count('Traceback')} tracebacks")
+    print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "tracebacks": text.count("Traceback"),
                                                "log_lines": len(text.splitlines())}, indent=2))

@@ -25,8 +25,12 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes
 MIN_CHARS_PER_TOKEN_BOUND = 32  # see max_prompt_chars
 
 
-async def read_body(state: Any, request: Request) -> bytes:
-    """The raw body, at most ``max_request_bytes`` (413 as soon as it is over), within ``body_timeout_s`` (408)."""
+async def read_body(state: Any, request: Request, held: list[int] | None = None) -> bytes:
+    """The raw body, at most ``max_request_bytes`` (413 as soon as it is over), within ``body_timeout_s`` (408).
+
+    With ``held`` (a one-item list), the bytes are taken from ``state.body_budget`` as they are read (the
+    declared length first) and ``held[0]`` says how many: the caller gives them back when done with the body.
+    """
     limit = state.max_request_bytes
     too_big = InvalidField(None, f"the request body is over this server's limit of {limit:,} bytes "
                            "(--max-request-bytes)", 413)
@@ -39,12 +43,20 @@ async def read_body(state: Any, request: Request) -> bytes:
     chunks: list[bytes] = []
     size = 0
 
+    async def reserve(total: int) -> None:
+        if held is not None and total > held[0]:
+            await state.body_budget.take(total - held[0])
+            held[0] = total
+
     async def receive() -> None:
         nonlocal size
+        if declared is not None:
+            await reserve(int(declared))
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_big
+            await reserve(size)
             chunks.append(chunk)
 
     try:
@@ -59,11 +71,25 @@ def _validate(model: Any, raw: bytes) -> Any:
     return parse_body(model, parse_json_object(raw))
 
 
-async def validated_body(state: Any, request: Request, model: Any) -> Any:
-    """The body read within its limits and validated as ``model`` (its types and rules) off the event loop."""
-    raw = await read_body(state, request)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+async def validated_body(state: Any, request: Request, model: Any, max_items: int | None = None,
+                         items_field: str | None = None) -> Any:
+    """The body read within its limits and validated as ``model`` (its types and rules) off the event loop.
+
+    Its bytes count against ``--max-inflight-body-bytes`` until it is parsed; ``max_items`` (with
+    ``items_field``), when given, refuses a body with more JSON values than that before parsing it (its
+    commas are counted: a list of ids is refused in milliseconds, not after seconds of ``json.loads``).
+    """
+    held = [0]
+    try:
+        raw = await read_body(state, request, held)
+        state.bodies_read += 1
+        if max_items is not None and raw.count(b",") >= max_items:
+            raise InvalidField(items_field, f"the body has over {max_items:,} values; {items_field} may hold at "
+                               f"most {max_items:,}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.parse_pool, _validate, model, raw)
+    finally:
+        state.body_budget.give(held[0])
 
 
 def max_prompt_chars(max_model_len: int, tokenizer: Any) -> int:
@@ -93,13 +119,13 @@ def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], limit: int,
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            out.append(_tokenize("prompt", tokenizer, prompt, limit, add_special_tokens))
+            out.append(bounded_ids("prompt", tokenizer, prompt, limit, add_special_tokens))
         else:
             out.append(list(prompt))
     return out
 
 
-def _tokenize(field: str, tokenizer: Any, text: str, limit: int, add_special_tokens: bool) -> list[int]:
+def bounded_ids(field: str, tokenizer: Any, text: str, limit: int, add_special_tokens: bool) -> list[int]:
     try:
         return tokenize_bounded(tokenizer, text, limit, add_special_tokens)
     except TooManyTokens as exc:
@@ -113,7 +139,7 @@ def encode_chat(state: Any, conversation: list[dict[str, Any]], template_argumen
                 add_special_tokens: bool) -> list[int]:
     """The conversation through the model's chat template, as token ids (on the tokenizer's thread)."""
     text = render_chat(state.tokenizer, state.model_name, conversation, template_arguments)
-    return _tokenize("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
+    return bounded_ids("messages", state.tokenizer, text, state.max_model_len, add_special_tokens)
 
 
 async def chat_text(state: Any, body: Any, conversation: list[dict[str, Any]],
