@@ -73,28 +73,29 @@ def test_a_strictly_better_newcomer_evicts_the_worst_waiting_request_which_gets_
     engine.check_invariants()
 
 
-def test_an_evicted_whole_answer_request_gets_503_with_retry_after_and_fcfs_never_evicts(tokenizer):
-    for policy, evicts in (("priority", True), ("fcfs", False)):
-        engine = tiny_chat_engine(tokenizer, max_num_seqs=1, scheduler=policy)
-        with running_server(engine, max_waiting=1) as (url, _):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            long_one = client.completions.create(model=MODEL, prompt="a", max_tokens=450, stream=True, **GREEDY)
-            next(iter(long_one))
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_an_evicted_whole_answer_request_gets_503_with_retry_after_and_fcfs_never_evicts(tokenizer, policy):
+    evicts = policy == "priority"
+    engine = tiny_chat_engine(tokenizer, max_num_seqs=1, scheduler=policy)
+    with running_server(engine, max_waiting=1) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        long_one = client.completions.create(model=MODEL, prompt="a", max_tokens=450, stream=True, **GREEDY)
+        next(iter(long_one))
 
-            async def scenario() -> tuple[httpx.Response, httpx.Response]:
-                low = asyncio.create_task(post(url, 7 if evicts else 0))
-                await until_waiting(url, 1)
-                newcomer = asyncio.create_task(post(url, -7 if evicts else 0))
-                first = (await asyncio.wait_for(low, 30)) if evicts else (await newcomer)
-                long_one.close()
-                return first, (await newcomer) if evicts else (await low)
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            low = asyncio.create_task(post(url, 7 if evicts else 0))
+            await until_waiting(url, 1)
+            newcomer = asyncio.create_task(post(url, -7 if evicts else 0))
+            first = (await asyncio.wait_for(low, 30)) if evicts else (await newcomer)
+            long_one.close()
+            return first, (await newcomer) if evicts else (await low)
 
-            refused, served = asyncio.run(scenario())
-            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", policy
-            assert refused.json()["error"]["type"] == "service_unavailable"
-            assert served.status_code == 200
-            for _ in range(100):
-                if not engine.has_unfinished():
-                    break
-                time.sleep(0.05)
-        assert engine.pool.num_available == engine.num_blocks
+        refused, served = asyncio.run(scenario())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert served.status_code == 200
+        for _ in range(100):
+            if not engine.has_unfinished():
+                break
+            time.sleep(0.05)
+    assert engine.pool.num_available == engine.num_blocks
