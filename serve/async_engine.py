@@ -76,7 +76,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.on_step = on_step
         self._cv = threading.Condition()
-        self._inbox: list[tuple[str, Any]] = []  # ("add", (stream, prompt, params)) / ("abort", request_id)
+        # ("add", (stream, prompt, params, options, evicting)) / ("abort", request_id) / ("abort_all", None)
+        self._inbox: list[tuple[str, Any]] = []
         self._pending_adds = 0  # adds in the inbox: counted as waiting
         self._waiting = 0  # the scheduler's waiting queue after the last step (written by the loop thread)
         self._evicts = bool(getattr(engine.scheduler, "uses_priority", False))
@@ -214,13 +215,7 @@ class AsyncEngine:
     def _take(self, inbox: list[tuple[str, Any]]) -> None:
         for kind, payload in inbox:
             if kind == "add":
-                with self._cv:
-                    self._pending_adds -= payload[2].n
-                if payload[4] and not self._make_room(payload[2].n, payload[3].get("priority", 0)):
-                    full = QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
-                    payload[0].loop.call_soon_threadsafe(_resolve, payload[0].accepted, full)
-                    continue
-                self._add(*payload[:4])
+                self._take_add(*payload)
             elif kind == "abort":
                 if self._streams.pop(payload, None) is not None:
                     self.engine.abort(payload)
@@ -236,19 +231,34 @@ class AsyncEngine:
             self._waiting = len(waiting)
             self._worst_waiting = worst
 
-    def _make_room(self, sequences: int, priority: int) -> bool:
-        """Evict waiting requests of a worse priority until ``sequences`` more fit; False (evicting none)
-        if they cannot be made to fit."""
+    def _take_add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any],
+                  evicting: bool) -> None:
+        """An add from the inbox; one that found the queue full evicts worse-priority requests once it is in,
+        or is refused (evicting nobody) if that cannot make room."""
+        with self._cv:
+            self._pending_adds -= params.n
+        priority = options.get("priority", 0)
+        victims = self._victims(params.n, priority) if evicting else []
+        if victims is None:
+            full = QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, full)
+        elif self._add(stream, prompt, params, options):
+            self._evict(victims, priority)
+
+    def _victims(self, sequences: int, priority: int) -> list[str] | None:
+        """The waiting requests to evict so that ``sequences`` more fit ([] if they fit), or None if no choice of
+        requests worse than ``priority`` makes room."""
         with self._cv:
             excess = self._pending_adds + len(self.engine.scheduler.waiting) + sequences - self.max_waiting
-        victims = []
+        victims: list[str] = []
         for request_id, count in self.engine.evictable(priority) if excess > 0 else ():
             victims.append(request_id)
             excess -= count
             if excess <= 0:
                 break
-        if excess > 0:
-            return False
+        return None if excess > 0 else victims
+
+    def _evict(self, victims: list[str], priority: int) -> None:
         for request_id in victims:
             stream = self._streams.pop(request_id, None)
             self.engine.abort(request_id)
@@ -257,17 +267,17 @@ class AsyncEngine:
                            "priority took this one's place; retry later")
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Evicted(message))
             log.info("evicted waiting request %s for one of priority %d", request_id, priority)
-        return True
 
-    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> None:
+    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> bool:
         try:
             self.engine.add_request(prompt, params, request_id=stream.request_id, **options)
         except Exception as exc:  # noqa: BLE001 - RequestRejected, or a tokenizer failure: this request only
             error = exc if isinstance(exc, RequestRejected) else RequestRejected(f"{type(exc).__name__}: {exc}")
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, error)
-            return
+            return False
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+        return True
 
     def _abort_cleanly(self, request_id: str) -> None:
         stream = self._streams.pop(request_id)
