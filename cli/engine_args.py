@@ -110,6 +110,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
       "(default: fcfs, or --scheduling-policy's)%(default).0s")
     a("--scheduling-policy", default=None, choices=["fcfs", "priority"],
       help="vLLM's policy: fcfs, or priority (a request's lower 'priority' runs first) (default: fcfs)%(default).0s")
+    a("--priority-aging-steps", type=int, default=100, metavar="STEPS",
+      help="priority policy: steps a request waits to rank one priority level better, so a stream of "
+      "better-priority requests cannot starve it; 0: strict priority, as vLLM (default: %(default)s)")
     a("--plugin-option", action="append", default=[], type=plugin_option, metavar="PLUGIN.KEY=VALUE",
       help="an option for a plugin, into plugin_options[PLUGIN][KEY]; VALUE is JSON or text (repeatable)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -184,6 +187,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         model=args.model, revision=args.revision, model_impl=args.model_impl, backend=args.backend,
         allocator=args.allocator,
         scheduler=args.scheduler or args.scheduling_policy or "fcfs", block_size=args.block_size,
+        priority_aging_steps=args.priority_aging_steps,
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,

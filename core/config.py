@@ -123,6 +123,7 @@ class EngineConfig:
     backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
     allocator: str = "paged"
     scheduler: str = "fcfs"
+    priority_aging_steps: int = 100  # priority scheduler: steps of waiting worth one priority level (0: none)
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
@@ -190,6 +191,9 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
+        aging = self.priority_aging_steps
+        if isinstance(aging, bool) or not isinstance(aging, int) or not 0 <= aging <= 2**32:
+            raise ConfigError(f"priority_aging_steps must be an integer in 0..2**32 (0: no aging), got {aging!r}")
         if self.swap_space is not None:
             self.swap_space = parse_bytes(self.swap_space)
             if self.swap_space < 0:

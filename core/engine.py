@@ -53,7 +53,7 @@ from pagedkv.core.sample.sampler import Sampler
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sample.structured_output import StructuredOutputs
 from pagedkv.core.sched.grammar_gate import IDLE_WAIT_S, GrammarGate
-from pagedkv.core.sched.request_check import check_prompt, check_text
+from pagedkv.core.sched.request_check import check_priority, check_prompt, check_text
 from pagedkv.core.sched.request_groups import RequestGroups
 from pagedkv.core.sched.scheduler_interface import Scheduler, SchedulerFactory, SchedulerHooks
 from pagedkv.core.sched.scheduler_output import Sample, SchedulerOutput
@@ -250,11 +250,7 @@ class Engine:
         """
         # a re-checked private copy: the caller's later edits to ``params`` cannot reach a step
         params = params.checked_copy() if params is not None else SamplingParams()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestRejected(f"priority must be an integer, got {priority!r}")
-        if priority and not self.scheduler.uses_priority:
-            raise RequestRejected(f"priority {priority} needs priority scheduling (scheduler 'priority', "
-                                  f"--scheduling-policy priority); this engine runs {self.config.scheduler!r}")
+        self.check_priority(priority)
         text, token_ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         params.check_vocab(self.vocab_size)
         if params.bad_words:
@@ -281,6 +277,15 @@ class Engine:
         self.stats.prompt_tokens += len(token_ids) * params.n
         self.events.emit("request_add", request=request_id, prompt_tokens=len(token_ids), n=params.n)
         return request_id
+
+    def check_priority(self, priority: object) -> int:
+        """``priority`` if this engine can take it: a signed 64-bit integer, non-zero only under a scheduler
+        that honours it; :class:`RequestRejected` naming ``priority`` otherwise."""
+        check_priority(priority)
+        if priority and not self.scheduler.uses_priority:
+            raise RequestRejected(f"priority {priority} needs priority scheduling (scheduler 'priority', "
+                                  f"--scheduling-policy priority); this engine runs {self.config.scheduler!r}")
+        return priority
 
     def _submit_grammar(self, params: SamplingParams) -> Future[CompiledGrammar] | None:
         """The compile future of a constrained request (None if unconstrained); one already failed is refused."""
@@ -318,6 +323,20 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         return True
+
+    def evictable(self, priority: int) -> list[tuple[str, int]]:
+        """Requests a newcomer of ``priority`` may push out of a full waiting queue, the first to go first, as
+        (request id, its sequences): those the scheduler names (under the priority scheduler, a strictly
+        worse priority) whose every sample is still waiting and never ran, so none has answered anything.
+        End one with :meth:`abort` (its blocks go back like any abort)."""
+        candidates = self.scheduler.eviction_candidates(priority)
+        waiting = {seq.seq_id for seq in candidates}
+        found: dict[str, int] = {}
+        for seq in candidates:
+            rid = seq.request_id
+            if rid not in found and rid in self.requests and all(s.seq_id in waiting for s in self.requests[rid]):
+                found[rid] = len(self.requests[rid])
+        return list(found.items())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.grammar_gate)

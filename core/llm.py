@@ -44,10 +44,12 @@ class LLM:
         prompts: str | dict | list[str] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         A prompt is text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+        ``priority`` (vLLM's): one integer per prompt, lower first (needs ``scheduler="priority"``).
         Every prompt is checked before any runs, so a bad one raises
         :class:`~pagedkv.core.errors.RequestRejected` without doing work.
         """
@@ -58,13 +60,14 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         engine = self.engine
+        priorities = [engine.check_priority(p) for p in _priorities(priority, len(prompts))]
         for prompt, sp in zip(prompts, params_list):  # every request checked before any runs
             engine.encode_prompt(prompt, sp.truncate_prompt_tokens)
             checked = sp.checked_copy()
             checked.check_vocab(engine.vocab_size)
             if checked.structured is not None:  # (compiled once here; the requests below reuse it)
                 engine.check_structured(checked.structured)
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = [engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params_list, priorities)]
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None
         while engine.has_unfinished():
@@ -101,3 +104,12 @@ def _progress(total: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="requests", unit="req")
+
+
+def _priorities(priority: object, count: int) -> list[int]:
+    """vLLM's ``priority`` argument: None (all 0) or one value per prompt (the engine checks each)."""
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, (list, tuple)) or len(priority) != count:
+        raise RequestRejected(f"priority must be a list of one integer per prompt ({count}), got {priority!r:.60}")
+    return list(priority)

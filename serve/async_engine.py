@@ -36,6 +36,11 @@ class QueueFull(Exception):
     """The waiting queue is at ``max_waiting``: answered 503 with Retry-After."""
 
 
+class Evicted(QueueFull):
+    """A waiting request pushed out of the full queue by a newcomer of a strictly better priority:
+    answered as a full queue is (503 with Retry-After)."""
+
+
 class ShuttingDown(Exception):
     """The server is stopping: no new requests."""
 
@@ -68,6 +73,12 @@ class AsyncEngine:
     ``on_step`` is called on the loop thread after every step with the engine (metrics);
     ``stall_timeout`` (seconds, None: never) ends a request whose reader leaves an output unread
     that long (:class:`StreamStalled`).
+
+    Under a priority scheduler a full queue is not the last word: a newcomer whose ``priority`` is
+    strictly better than that of a waiting request that never ran evicts it (worst priority first,
+    newest among equals; whole requests, only as many as make room, none if that cannot make room).
+    The evicted request ends with :class:`Evicted`. The loop thread decides, over the scheduler's queue
+    (:meth:`~pagedkv.core.engine.Engine.evictable`), and ends it with ``Engine.abort``.
     """
 
     def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None,
@@ -78,9 +89,12 @@ class AsyncEngine:
         self.stall_timeout = stall_timeout
         self.steps = 0  # steps run (written by the loop thread; malloc_trim's sign of activity)
         self._cv = threading.Condition()
-        self._inbox: list[tuple[str, Any]] = []  # ("add", (stream, prompt, params)) / ("abort", request_id)
+        # ("add", (stream, prompt, params, options, evicting)) / ("abort", request_id) / ("abort_all", None)
+        self._inbox: list[tuple[str, Any]] = []
         self._pending_adds = 0  # adds in the inbox: counted as waiting
         self._waiting = 0  # the scheduler's waiting queue after the last step (written by the loop thread)
+        self._evicts = bool(getattr(engine.scheduler, "uses_priority", False))
+        self._worst_waiting: int | None = None  # the largest waiting priority (a hint; the loop thread decides)
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._stopping = False
         self._draining = False
@@ -138,10 +152,11 @@ class AsyncEngine:
         with self._cv:
             if not self.accepting:
                 raise ShuttingDown("the server is shutting down")
-            if self._pending_adds + self._waiting + params.n > self.max_waiting:
+            evicting = self._pending_adds + self._waiting + params.n > self.max_waiting
+            if evicting and not self._may_evict(options.get("priority", 0)):
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
             self._pending_adds += params.n
-            self._inbox.append(("add", (stream, prompt, params, options)))
+            self._inbox.append(("add", (stream, prompt, params, options, evicting)))
             self._cv.notify()
         handle = RequestHandle(self, stream)
         try:
@@ -151,10 +166,16 @@ class AsyncEngine:
             raise
         return handle
 
-    def has_room(self, sequences: int) -> bool:
-        """Whether ``sequences`` more would fit in the waiting queue now (a whole request is admitted or not)."""
+    def has_room(self, sequences: int, priority: int = 0) -> bool:
+        """Whether ``sequences`` more would fit in the waiting queue now (a whole request is admitted or not),
+        or might by evicting worse-priority requests (decided when the add is taken)."""
         with self._cv:
-            return self._pending_adds + self._waiting + sequences <= self.max_waiting
+            fits = self._pending_adds + self._waiting + sequences <= self.max_waiting
+            return fits or self._may_evict(priority)
+
+    def _may_evict(self, priority: int) -> bool:
+        """(under ``_cv``) Whether some waiting request might be evicted for a newcomer of ``priority``."""
+        return self._evicts and self._worst_waiting is not None and priority < self._worst_waiting
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -195,8 +216,7 @@ class AsyncEngine:
                 continue
             self.steps += 1
             self._deliver(outputs)
-            with self._cv:
-                self._waiting = len(engine.scheduler.waiting)
+            self._count_waiting()
             self._observe()
 
     def _observe(self) -> None:
@@ -209,27 +229,69 @@ class AsyncEngine:
     def _take(self, inbox: list[tuple[str, Any]]) -> None:
         for kind, payload in inbox:
             if kind == "add":
-                with self._cv:
-                    self._pending_adds -= payload[2].n
-                self._add(*payload)
+                self._take_add(*payload)
             elif kind == "abort":
                 if self._streams.pop(payload, None) is not None:
                     self.engine.abort(payload)
             else:  # abort_all: give every stream a last output with finish reason "abort"
                 for request_id in list(self._streams):
                     self._abort_cleanly(request_id)
-        with self._cv:
-            self._waiting = len(self.engine.scheduler.waiting)
+        self._count_waiting()
 
-    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> None:
+    def _count_waiting(self) -> None:
+        waiting = self.engine.scheduler.waiting
+        worst = max((seq.priority for seq in waiting), default=None) if self._evicts else None
+        with self._cv:
+            self._waiting = len(waiting)
+            self._worst_waiting = worst
+
+    def _take_add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any],
+                  evicting: bool) -> None:
+        """An add from the inbox; one that found the queue full evicts worse-priority requests once it is in,
+        or is refused (evicting nobody) if that cannot make room."""
+        with self._cv:
+            self._pending_adds -= params.n
+        priority = options.get("priority", 0)
+        victims = self._victims(params.n, priority) if evicting else []
+        if victims is None:
+            full = QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, full)
+        elif self._add(stream, prompt, params, options):
+            self._evict(victims, priority)
+
+    def _victims(self, sequences: int, priority: int) -> list[str] | None:
+        """The waiting requests to evict so that ``sequences`` more fit ([] if they fit), or None if no choice of
+        requests worse than ``priority`` makes room."""
+        with self._cv:
+            excess = self._pending_adds + len(self.engine.scheduler.waiting) + sequences - self.max_waiting
+        victims: list[str] = []
+        for request_id, count in self.engine.evictable(priority) if excess > 0 else ():
+            victims.append(request_id)
+            excess -= count
+            if excess <= 0:
+                break
+        return None if excess > 0 else victims
+
+    def _evict(self, victims: list[str], priority: int) -> None:
+        for request_id in victims:
+            stream = self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+            if stream is not None:
+                message = (f"the waiting queue is full ({self.max_waiting} sequences) and a request of a better "
+                           "priority took this one's place; retry later")
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Evicted(message))
+            log.info("evicted waiting request %s for one of priority %d", request_id, priority)
+
+    def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> bool:
         try:
             self.engine.add_request(prompt, params, request_id=stream.request_id, **options)
         except Exception as exc:  # noqa: BLE001 - RequestRejected, or a tokenizer failure: this request only
             error = exc if isinstance(exc, RequestRejected) else RequestRejected(f"{type(exc).__name__}: {exc}")
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, error)
-            return
+            return False
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+        return True
 
     def _abort_cleanly(self, request_id: str) -> None:
         stream = self._streams.pop(request_id)

@@ -304,7 +304,8 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
     if sequences > state.engine.max_waiting:
         raise InvalidField("n", f"this request needs {sequences} sequences (n x prompts), more than this server's "
                            f"waiting queue holds ({state.engine.max_waiting}, --max-waiting)")
-    if not state.engine.has_room(sequences):
+    options = body.engine_options()
+    if not state.engine.has_room(sequences, options.get("priority", 0)):
         return _queue_full(state, f"the waiting queue is full ({state.engine.max_waiting} sequences); retry later")
     await compile_check(state.engine.engine, constraint, field, request.client.host if request.client else "")
     response_id = f"{'chatcmpl' if body.chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
@@ -312,7 +313,6 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
               max((len(s) for s in params.stop), default=1) - 1, state.metrics, params.logprobs, state.token_texts,
               echo=echo, prompt_ids=prompts if body.return_token_ids else None,
               shaper=shaper, continuous_usage=body.continuous_usage, echo_only=getattr(body, "echo_only", False))
-    options = body.engine_options()
     engine_prefix = f"{response_id}-{uuid.uuid4().hex[:8]}" if body.request_id else response_id
     try:
         for index, ids in enumerate(prompts):
@@ -337,6 +337,8 @@ async def _answer(state: ServerState, request: Request, body: GenerationRequest,
         job.close()
     if status is None:
         return Response(status_code=499)
+    if status == 503:  # evicted from the full queue by a better-priority request: a full queue's answer
+        return _queue_full(state, payload["error"]["message"])
     content = await asyncio.get_running_loop().run_in_executor(state.answer_pool, encode_json, payload)
     return EncodedJSONResponse(content, status_code=status)
 

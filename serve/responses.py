@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.serve.api.errors import error_body
-from pagedkv.serve.async_engine import Aborted, RequestFailed, RequestHandle
+from pagedkv.serve.async_engine import Aborted, Evicted, RequestFailed, RequestHandle
 from pagedkv.serve.chat_output import ChatDeltas
 from pagedkv.serve.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
 
@@ -179,6 +179,8 @@ async def collect(job: Job, pool: Any = None) -> tuple[int, dict[str, Any]]:
             finals[index] = out
     except RequestFailed as exc:
         return 500, error_body(str(exc), "internal_server_error", code=500)
+    except Evicted as exc:
+        return 503, error_body(str(exc), "service_unavailable", code=503)
     except Aborted:
         aborted = True
     return await asyncio.get_running_loop().run_in_executor(pool, _body, job, finals, aborted)
@@ -360,6 +362,10 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             for chunk in stream.roles():
                 yield chunk
             yield _sse(error_body(str(exc), "internal_server_error", code=500))
+            yield "data: [DONE]\n\n"
+            return
+        except Evicted as exc:  # never ran, so nothing was sent but the 200: the queue-full answer as an event
+            yield _sse(error_body(str(exc), "service_unavailable", code=503))
             yield "data: [DONE]\n\n"
             return
         except Aborted:  # the server is stopping: every open choice ends here, cleanly

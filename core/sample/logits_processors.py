@@ -117,33 +117,62 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: SequenceOf[int], top_p: Seque
     """Keep each row's ``top_k`` largest logits (ties at the k-th kept; 0 = off), then the smallest set of
     those whose renormalized probability reaches ``top_p`` (1 = off).
 
-    When every row has a small ``top_k`` (the usual 20..100 of a 50k vocabulary), one ``topk`` replaces
-    the full sort and top-p runs on those few columns; otherwise one sort serves the whole batch.
+    Each row comes out exactly as it would alone: rows are processed in groups of equal ``top_k`` and equal
+    "top-p on or off", and each row's path is chosen by its own logits. (Which of several tied logits top-p
+    drops depends on the order the path lists them in; a path chosen for the whole batch made a seeded
+    sample depend on what shared its step, so a preemption, which changes the batches, changed samples.)
+    Within a group with a small ``top_k`` (the usual 20..100 of a 50k vocabulary), one ``topk`` replaces
+    the full sort and top-p runs on those few columns; a row whose tie at the k-th value reaches past
+    ``top_k`` columns, and every row of a larger ``top_k``, is sorted in full.
     """
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]
-    use_k = any(k < vocab for k in ks)
-    use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for row, (k, p) in enumerate(zip(ks, top_p)):
+        groups.setdefault((k, p < 1.0), []).append(row)
+    if len(groups) == 1:
+        (k, use_p), = groups
+        return _top_k_top_p_rows(logits, k, top_p if use_p else None)
+    out = torch.empty_like(logits)
+    for (k, use_p), rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out[index] = _top_k_top_p_rows(logits[index], k, [top_p[r] for r in rows] if use_p else None)
+    return out
+
+
+def _top_k_top_p_rows(logits: torch.Tensor, k: int, top_p: SequenceOf[float] | None) -> torch.Tensor:
+    """Top-k (``k`` for every row; the vocabulary size is off) then top-p (None: off) on rows of one group."""
+    vocab = logits.shape[-1]
+    if k == vocab and top_p is None:
         return logits
-    device = logits.device
-    limit = torch.tensor([1.0 - p for p in top_p], dtype=logits.dtype, device=device).unsqueeze(1)
-    kmax = max(ks)
-    if use_k and kmax <= vocab // 8:
-        values, ids = logits.topk(kmax, dim=-1)  # descending
-        kth = values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
-        keep = logits >= kth  # transformers' rule: a tie with the k-th value stays
-        if not use_p:
-            return logits.masked_fill(~keep, NEG_INF)
-        if int(keep.sum(dim=-1).max()) <= kmax:  # no tie reaches past the kmax-th: the kept set is values' prefix
-            ascending = values.masked_fill(values < kth, NEG_INF).flip(1)
-            return _scatter_top_p(torch.full_like(logits, NEG_INF), ids.flip(1), ascending, limit)
+    limit = None if top_p is None else torch.tensor([1.0 - p for p in top_p], dtype=logits.dtype,
+                                                    device=logits.device).unsqueeze(1)
+    if k > vocab // 8:
+        return _sorted_top_k_top_p(logits, k, limit)
+    values, ids = logits.topk(k, dim=-1)  # descending
+    keep = logits >= values[:, -1:]  # transformers' rule: a tie with the k-th value stays
+    if limit is None:
+        return logits.masked_fill(~keep, NEG_INF)
+    tie_past = keep.sum(dim=-1) > k  # this row's kept set is more than values' prefix: sort it in full
+    if not bool(tie_past.any()):
+        return _scatter_top_p(torch.full_like(logits, NEG_INF), ids.flip(1), values.flip(1), limit)
+    out = torch.full_like(logits, NEG_INF)
+    out[tie_past] = _sorted_top_k_top_p(logits[tie_past], k, limit[tie_past])
+    prefix = ~tie_past
+    if bool(prefix.any()):
+        out[prefix] = _scatter_top_p(torch.full_like(logits[prefix], NEG_INF), ids[prefix].flip(1),
+                                     values[prefix].flip(1), limit[prefix])
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, k: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """Top-k then top-p (``limit`` = 1 - p per row; None: off) over one full sort of each row."""
+    vocab = logits.shape[-1]
     ascending, order = logits.sort(dim=-1)
-    if use_k:
-        first_kept = torch.tensor([vocab - k for k in ks], device=device)
-        kth = ascending.gather(1, first_kept.unsqueeze(1))
+    if k < vocab:
+        kth = ascending[:, vocab - k : vocab - k + 1]
         ascending = ascending.masked_fill(ascending < kth, NEG_INF)
-    return _scatter_top_p(torch.empty_like(logits), order, ascending, limit) if use_p else (
+    return _scatter_top_p(torch.empty_like(logits), order, ascending, limit) if limit is not None else (
         torch.empty_like(logits).scatter_(1, order, ascending)
     )
 

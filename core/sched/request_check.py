@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pagedkv.core.errors import RequestRejected
 
+# vLLM's ``priority`` is an unbounded int; here it is a signed 64-bit one, so no caller (a client through the
+# server, or Python code) can make the scheduler order its queue by thousand-digit numbers, and every
+# ordering a deployment needs still fits
+PRIORITY_MIN, PRIORITY_MAX = -2**63, 2**63 - 1
+
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, num_blocks: int, block_size: int) -> None:
     """Raise :class:`RequestRejected` for an empty prompt, ids outside the vocabulary, or one too long."""
@@ -30,3 +35,13 @@ def check_text(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestRejected(f"{what} is not valid text: a lone surrogate at character {exc.start}") from None
+
+
+def check_priority(priority: object) -> int:
+    """``priority`` as an int in PRIORITY_MIN..PRIORITY_MAX; :class:`RequestRejected` naming it otherwise (bool too)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestRejected(f"priority must be an integer, got {type(priority).__name__} {priority!r:.40}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise RequestRejected(f"priority must be a signed 64-bit integer ({PRIORITY_MIN}..{PRIORITY_MAX}); "
+                              f"got one of {len(str(abs(priority)))} digits")
+    return priority

@@ -58,7 +58,7 @@ class RequestGroups:
             index = len(group)  # parent.params carries seed + 0, so sample i gets seed + i as if unforked
             child = self._new_sample(parent.request_id, parent.prompt_token_ids, parent.params, index,
                                      self.keys[parent.seq_id] + index, parent.prompt, parent.cache_salt)
-            child.priority, child.arrival = parent.priority, parent.arrival
+            child.priority, child.arrival, child.arrival_step = parent.priority, parent.arrival, parent.arrival_step
             allocator.fork(parent, child)
             if parent.matcher is not None:  # the child goes on from the parent's grammar state
                 child.matcher = parent.matcher.copy()

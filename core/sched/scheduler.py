@@ -111,6 +111,11 @@ class FCFSScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def eviction_candidates(self, priority: int) -> list[Sequence]:
+        """Waiting sequences a newcomer of ``priority`` may push out of a full queue, first first: none
+        under FCFS (the newcomer waits its turn, or a server answers it 503)."""
+        return []
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the queues and give back its blocks."""
         status = seq.status

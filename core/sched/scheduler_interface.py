@@ -81,6 +81,10 @@ class Scheduler(Protocol):
     def has_unfinished(self) -> bool:
         """True while any sequence waits, runs or is swapped out."""
 
+    def eviction_candidates(self, priority: int) -> list[Sequence]:
+        """Waiting sequences that never ran which a newcomer of ``priority`` may push out of a full queue,
+        the first to evict first (empty for a scheduler without priorities)."""
+
     def schedule(self) -> SchedulerOutput:
         """Decide the next step."""
 

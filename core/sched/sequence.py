@@ -57,6 +57,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is set)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt tokens 1.. (prompt_logprobs)
     priority: int = 0  # lower runs first under the priority scheduler (vLLM's meaning)
+    arrival_step: int = 0  # the scheduler step it was queued at (the priority scheduler's aging)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
     # its grammar's state (structured outputs), fed every token
     matcher: GrammarMatcher | None = field(default=None, repr=False)

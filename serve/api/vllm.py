@@ -11,14 +11,12 @@ from typing import Any
 
 from pydantic import Field
 
+from pagedkv.core.sched.request_check import PRIORITY_MAX, PRIORITY_MIN
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.strict_body import StrictBody
 
 # Declared (so they are never silently dropped) but not implemented: a request that sets one answers
 # 400 naming it. Structured outputs (structured_outputs, guided_*) are in structured.py.
-# vLLM's ``priority`` is an unbounded int; here it is a 64-bit signed one, so a client cannot make the
-# scheduler order its queue by thousand-digit numbers, and every ordering a server needs still fits
-PRIORITY_MIN, PRIORITY_MAX = -2**63, 2**63 - 1
 
 REFUSED = {
     "structural_tag": "structural tags are not supported by pagedkv",

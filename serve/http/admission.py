@@ -163,7 +163,7 @@ async def encode_chat_request(state: Any, body: Any, conversation: list[dict[str
     if text is None:
         return await loop.run_in_executor(state.tokenize_pool, encode_chat, state, conversation, template_arguments,
                                           add_special_tokens)
-    return await loop.run_in_executor(state.tokenize_pool, _tokenize, "messages", state.tokenizer, text,
+    return await loop.run_in_executor(state.tokenize_pool, bounded_ids, "messages", state.tokenizer, text,
                                       state.max_model_len, add_special_tokens)
 
 
