@@ -23,6 +23,22 @@ class City(BaseModel):
     rank: int = Field(ge=1, le=99)
 
 
+class Stop(BaseModel):
+    day: int = Field(ge=1, le=9)
+
+
+class Trip(BaseModel):
+    """Four objects, none setting additionalProperties: at each closing brace a grammar that allowed unlisted keys
+    lets the tiny model start one (the issue's case 3), which then runs to max_tokens; closed, it ends in ~40 bytes."""
+
+    first: Stop
+    second: Stop
+    third: Stop
+
+
+TRIP_KEYS = {"first", "second", "third"}
+
+
 @contextlib.contextmanager
 def tool_server() -> Iterator[str]:
     """Yield the base URL of a live server (no /v1) until the block ends."""

@@ -17,11 +17,16 @@ except ImportError as missing:
     sys.exit(77)
 
 
-class City(BaseModel):
-    """A city and its rank."""
+class Stop(BaseModel):
+    day: int = Field(ge=1, le=9)
 
-    name: str = Field(max_length=8)
-    rank: int = Field(ge=1, le=99)
+
+class Trip(BaseModel):
+    """tests/clients/client_server.py's Trip: four objects that leave additionalProperties unset."""
+
+    first: Stop
+    second: Stop
+    third: Stop
 
 
 def main(url: str, model: str) -> None:
@@ -29,11 +34,11 @@ def main(url: str, model: str) -> None:
     for mode in ("TOOLS", "JSON_SCHEMA"):
         raw = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         client = instructor.from_openai(raw, mode=getattr(instructor.Mode, mode))
-        city, completion = client.chat.completions.create_with_completion(
-            model=model, response_model=City, max_retries=1, max_tokens=120, temperature=0,
-            messages=[{"role": "user", "content": "Name a city."}])
+        trip, completion = client.chat.completions.create_with_completion(
+            model=model, response_model=Trip, max_retries=1, max_tokens=120, temperature=1.0, seed=0,
+            messages=[{"role": "user", "content": "Plan a trip."}])
         message = completion.choices[0].message
-        results[mode] = {"city": city.model_dump(), "finish_reason": completion.choices[0].finish_reason,
+        results[mode] = {"trip": trip.model_dump(), "finish_reason": completion.choices[0].finish_reason,
                          "tool_calls": [call.function.name for call in message.tool_calls or []],
                          "content": message.content}
     print(json.dumps(results))

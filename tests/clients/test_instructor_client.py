@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from client_server import tool_server
+from client_server import TRIP_KEYS, tool_server
 from repo_paths import ROOT, TESTS
 from serve_helpers import MODEL
 
@@ -36,8 +36,8 @@ def test_tools_and_json_schema_modes_validate_the_model(url):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     tools, schema = results["TOOLS"], results["JSON_SCHEMA"]
-    assert set(tools["city"]) == set(schema["city"]) == {"name", "rank"}
+    assert set(tools["trip"]) == set(schema["trip"]) == TRIP_KEYS
     # TOOLS forces the model's tool (named tool_choice); JSON_SCHEMA answers in the content (response_format)
-    assert tools["tool_calls"] == ["City"] and tools["finish_reason"] in ("tool_calls", "stop")
-    assert schema["tool_calls"] == [] and json.loads(schema["content"]) == schema["city"]
+    assert tools["tool_calls"] == ["Trip"] and tools["finish_reason"] in ("tool_calls", "stop")
+    assert schema["tool_calls"] == [] and json.loads(schema["content"]) == schema["trip"]
     assert schema["finish_reason"] == "stop"
