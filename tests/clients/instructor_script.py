@@ -1,6 +1,7 @@
-"""instructor, unmodified, against the server at argv[1]: run by tests/clients/test_instructor_client.py with the
-Python of .venv-clients (instructor pins jiter<0.15, which the project venv's openai cannot take). Prints one JSON
-object: per mode, the validated model and what the answer carried. Exit 77: instructor is not installed here."""
+"""instructor, unmodified, against the server at argv[1] (model argv[2], logit_bias argv[3] as JSON): run by
+tests/clients/test_instructor_client.py with the Python of .venv-clients (instructor pins jiter<0.15, which the
+project venv's openai cannot take). Prints one JSON object: per mode, the validated model and what the answer
+carried. Exit 77: instructor is not installed here."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ class Trip(BaseModel):
     third: Stop
 
 
-def main(url: str, model: str) -> None:
+def main(url: str, model: str, logit_bias: dict[str, int]) -> None:
     results = {"versions": {"instructor": instructor.__version__, "openai": openai.__version__}}
     for mode in ("TOOLS", "JSON_SCHEMA"):
         raw = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         client = instructor.from_openai(raw, mode=getattr(instructor.Mode, mode))
         trip, completion = client.chat.completions.create_with_completion(
-            model=model, response_model=Trip, max_retries=1, max_tokens=120, temperature=1.0, seed=0,
+            model=model, response_model=Trip, max_retries=1, max_tokens=120, temperature=0, logit_bias=logit_bias,
             messages=[{"role": "user", "content": "Plan a trip."}])
         message = completion.choices[0].message
         results[mode] = {"trip": trip.model_dump(), "finish_reason": completion.choices[0].finish_reason,
@@ -45,4 +46,4 @@ def main(url: str, model: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))  # argv[3]: client_server.COMMA_BIAS as JSON

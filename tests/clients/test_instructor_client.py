@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from client_server import TRIP_KEYS, tool_server
+from client_server import COMMA_BIAS, TRIP_KEYS, tool_server
 from repo_paths import ROOT, TESTS
 from serve_helpers import MODEL
 
@@ -29,7 +29,8 @@ def test_tools_and_json_schema_modes_validate_the_model(url):
     python = VENV / "bin" / "python"
     if not python.exists():
         pytest.skip(f"instructor's venv {VENV} is missing (make setup creates it)")
-    done = subprocess.run([str(python), str(TESTS / "clients" / "instructor_script.py"), url, MODEL],
+    done = subprocess.run([str(python), str(TESTS / "clients" / "instructor_script.py"), url, MODEL,
+                           json.dumps(COMMA_BIAS)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode == SKIP:
         pytest.skip(done.stdout.strip())

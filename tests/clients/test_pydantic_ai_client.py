@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from client_server import Trip, tool_server
+from client_server import COMMA_BIAS, Trip, tool_server
 from serve_helpers import MODEL
 
 pytest.importorskip("pydantic_ai",
@@ -33,7 +33,7 @@ def agent(url: str, output_type, sent: list[dict]):
     http = httpx2.AsyncClient(event_hooks={"request": [keep]}, timeout=120)
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=url + "/v1", api_key="unused", http_client=http))
     return Agent(model, output_type=output_type, retries=0,
-                 model_settings={"max_tokens": 120, "temperature": 1.0, "seed": 0})
+                 model_settings={"max_tokens": 120, "temperature": 0.0, "logit_bias": COMMA_BIAS})
 
 
 def test_the_default_tool_output_returns_the_model(url):
