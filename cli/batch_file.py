@@ -13,6 +13,7 @@ echo, token ids, forced tool calls and logprobs come back in the same OpenAI sha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -23,7 +24,7 @@ from typing import Any
 from pagedkv.core.errors import PagedKVError
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.serve.api.chat import ChatCompletionRequest, render_chat
-from pagedkv.serve.api.completion import CompletionRequest
+from pagedkv.serve.api.completion import ServedCompletionRequest
 from pagedkv.serve.api.errors import InvalidField, parse_body
 from pagedkv.serve.api.json_body import lone_surrogate_path, parse_json_object
 from pagedkv.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
@@ -51,6 +52,7 @@ class BatchRequest:
     echo: list[str] | None = None  # per prompt: text that starts each of its choices (vLLM's echo)
     return_token_ids: bool = False
     shaper: Any = None  # ChatShaper: a forced tool choice's calls parsed out of the answer
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, the one token sampled left out (not its usage)
 
 
 def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab_size: int | None = None,
@@ -73,8 +75,8 @@ def parse_line(line: str | bytes, tokenizer: Any, default_max_tokens: int, vocab
         if url == CHAT_URL:
             return _chat_request(custom_id, parse_body(ChatCompletionRequest, body), tokenizer, default_max_tokens,
                                  vocab_size, model_name)
-        return _completion_request(custom_id, parse_body(CompletionRequest, body), tokenizer, default_max_tokens,
-                                   vocab_size)
+        return _completion_request(custom_id, parse_body(ServedCompletionRequest, body), tokenizer,
+                                   default_max_tokens, vocab_size)
     except InvalidField as exc:
         raise BatchLineError(f"{custom_id}: {exc.message}") from None
     except ValueError as exc:  # the tokenizer refusing a text
@@ -95,7 +97,7 @@ def _chat_request(custom_id: str, request: ChatCompletionRequest, tokenizer: Any
                         return_token_ids=bool(request.return_token_ids), shaper=_NO_PARSERS.shaper(choice, tools))
 
 
-def _completion_request(custom_id: str, request: CompletionRequest, tokenizer: Any, default_max_tokens: int,
+def _completion_request(custom_id: str, request: ServedCompletionRequest, tokenizer: Any, default_max_tokens: int,
                         vocab_size: int | None) -> BatchRequest:
     params = _sampling_params(request, default_max_tokens, vocab_size, request.constraint()[0])
     prompts, texts = [], []
@@ -107,7 +109,8 @@ def _completion_request(custom_id: str, request: CompletionRequest, tokenizer: A
             prompts.append(prompt)
             texts.append(tokenizer.decode(prompt) if request.echo else "")
     return BatchRequest(custom_id, COMPLETIONS_URL, prompts, params, options=request.engine_options(),
-                        echo=texts if request.echo else None, return_token_ids=bool(request.return_token_ids))
+                        echo=texts if request.echo else None, return_token_ids=bool(request.return_token_ids),
+                        echo_only=request.echo_only)
 
 
 def _sampling_params(request: Any, default_max_tokens: int, vocab_size: int | None, constraint: Any
@@ -134,11 +137,16 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str, te
         return error_line(request.custom_id, failed[0], status_code=500)
     chat = request.url == CHAT_URL
     texts = texts or TokenTexts(None)
-    choices = []
+    choices, completion_tokens = [], 0
     for p, out in enumerate(outputs):
+        # echo with logprobs on a completion: the prompt's tokens lead (the first null), as engine serve answers
+        prompt = (out.prompt_token_ids, out.prompt_logprobs) if request.echo and not chat and \
+            out.prompt_logprobs is not None else None
         for c in out.outputs:
+            completion_tokens += len(c.token_ids)  # echo_only's sampled token too, as vLLM counts it
+            c = _hide_sampled(c) if request.echo_only else c
             choice: dict[str, Any] = {"index": len(choices), "finish_reason": _finish_reason(c.finish_reason),
-                                      "logprobs": _logprobs(request.params, c, chat, texts)}
+                                      "logprobs": _logprobs(request.params, c, chat, texts, prompt)}
             text = (request.echo[p] if request.echo else "") + c.text
             if chat and request.shaper is not None:
                 choice["message"], calls = request.shaper.message(text)
@@ -156,7 +164,6 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str, te
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if chat else "text_completion",
@@ -174,12 +181,23 @@ def response_line(request: BatchRequest, outputs: list[Any], model_name: str, te
             "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
 
 
-def _logprobs(params: SamplingParams, completion: Any, chat: bool, texts: TokenTexts) -> Any:
+def _hide_sampled(completion: Any) -> Any:
+    """A choice of ``max_tokens: 0`` with echo, without the token the engine had to sample to run the prompt."""
+    return dataclasses.replace(completion, text="", token_ids=[], cumulative_logprob=None,
+                               logprobs=None if completion.logprobs is None else [])
+
+
+def _logprobs(params: SamplingParams, completion: Any, chat: bool, texts: TokenTexts,
+              prompt: tuple[list[int], list[Any]] | None = None) -> Any:
+    """The choice's logprobs object (None unless asked for), after the echoed ``prompt``'s ids and entries."""
     if params.logprobs is None or completion.logprobs is None:
         return None
     if chat:
         return chat_logprobs(completion.token_ids, completion.logprobs, params.logprobs, texts)
-    return completion_logprobs(completion.token_ids, completion.logprobs, params.logprobs, texts)
+    ids, entries = list(completion.token_ids), list(completion.logprobs)
+    if prompt is not None:
+        ids, entries = [*prompt[0], *ids], [*prompt[1], *entries]
+    return completion_logprobs(ids, entries, params.logprobs, texts)
 
 
 def _finish_reason(reason: str | None) -> str | None:

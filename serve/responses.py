@@ -193,8 +193,8 @@ def _body(job: Job, finals: dict[int, Any], aborted: bool) -> tuple[int, dict[st
         for c in finals[p].outputs:
             if (error := _error_of(c)) is not None:
                 return 500, error_body(error, "internal_server_error", code=500)
+            completion_tokens += len(c.token_ids)  # with echo_only too: vLLM counts the token it had to sample
             c = job.visible(c)
-            completion_tokens += len(c.token_ids)
             finish = c.finish_reason if c.finish_reason is not None or not aborted else "abort"
             logprobs = job.logprobs_of(c, prompt=job.echoed(finals[p]))
             choice: dict[str, Any] = {"index": p * job.n + c.index, "logprobs": logprobs,
@@ -265,11 +265,13 @@ class _Stream:
         self.roles_sent = True
         return [self.chunk(index, None, None, role=True) for index in range(len(self.job.handles) * self.job.n)]
 
-    def advance(self, index: int, c: Any, prompt: tuple[list[int], list[Any]] | None = None) -> str | None:
+    def advance(self, index: int, c: Any, prompt: tuple[list[int], list[Any]] | None = None,
+                sampled: int | None = None) -> str | None:
         """The chunk for choice ``index``'s latest output ``c`` (None: nothing new to send yet); ``prompt``:
-        the echoed prompt's ids and logprobs, which lead the choice's first chunk."""
+        the echoed prompt's ids and logprobs, which lead the choice's first chunk; ``sampled``: the tokens the
+        usage counts, when ``c`` shows fewer (echo_only)."""
         job = self.job
-        self.tokens[index] = len(c.token_ids)
+        self.tokens[index] = len(c.token_ids) if sampled is None else sampled
         finished = c.finish_reason is not None
         end = len(c.text) if finished else max(self.sent.get(index, 0), len(c.text) - job.holdback)
         text = c.text[self.sent.get(index, 0):end]
@@ -356,7 +358,7 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                         yield _sse(error_body(error, "internal_server_error", code=500))
                         yield "data: [DONE]\n\n"
                         return
-                    if (chunk := stream.advance(index, job.visible(c), prompt)) is not None:
+                    if (chunk := stream.advance(index, job.visible(c), prompt, len(c.token_ids))) is not None:
                         yield chunk
         except RequestFailed as exc:
             for chunk in stream.roles():

@@ -105,9 +105,26 @@ def forced_constraint(choice: ToolChoice, tools: list[dict[str, Any]], allow_add
         return StructuredOutputs(json=parameters(tool))
     if choice.mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    schemas, definitions = _hoisted_definitions([parameters(t) for t in tools])
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False} for t, schema in zip(tools, schemas)]
+    return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}, **definitions})
+
+
+def _hoisted_definitions(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The schemas without their ``$defs`` / ``definitions``, and those merged for the root of the ``required``
+    array: a ``#/$defs/X`` reference resolves from the document's root, which is no longer the tool's parameters
+    (Pydantic models with nested models give such references). As vLLM does; one name defined two ways is refused."""
+    merged: dict[str, dict[str, Any]] = {}
+    stripped = []
+    for schema in schemas:
+        stripped.append({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+        for keyword in ("$defs", "definitions"):
+            for name, definition in (schema.get(keyword) or {}).items():
+                if merged.setdefault(keyword, {}).setdefault(name, definition) != definition:
+                    raise InvalidField("tools", f"tools define {keyword}/{name} in two different ways; "
+                                                "tool_choice required needs one schema per name")
+    return stripped, merged
 
 
 def combined_constraint(structured: StructuredOutputs | None, field: str | None, choice: ToolChoice | None,

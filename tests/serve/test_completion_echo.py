@@ -117,8 +117,12 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(url, ids):
     choice = body["choices"][0]
     assert choice["text"] == PROMPT
     assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
-    assert body["usage"]["completion_tokens"] == 0
-    chunks = streamed(url, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
+    # vLLM samples one token to run the prompt (max_tokens 1 inside) and its usage counts it
+    assert body["usage"]["completion_tokens"] == 1 and body["usage"]["prompt_tokens"] == len(ids)
+    chunks = streamed(url, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True,
+                      stream_options={"include_usage": True})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    chunks = chunks[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(ids)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
