@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -550,6 +551,21 @@ int pagedkv_cpu_linear(const float* x, int64_t rows, int64_t k, const float* pac
                   std::max(1, threads));
   return 0;
 }
+
+// The packed linear on bf16 weights (linear.h's bf16 panels, [panel][k / 2][panel width][2], K padded to even):
+// y[rows, n] = x[rows, k] W^T + bias in fp32, x and bias fp32. Returns 0, or nonzero for sizes it does not take.
+int pagedkv_cpu_linear_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* packed, const float* bias,
+                            int64_t n, float* y, int threads) {
+  if (rows < 0 || k <= 0 || n <= 0 || k > INT32_MAX / kNr || n > INT32_MAX) return 1;
+  std::vector<Bf16Weights::X> buf;
+  const Bf16Weights::X* xs = nullptr;
+  const int64_t ldx = bf16_activations(x, rows, k, buf, &xs);
+  linear_rows_all<Bf16Weights>(xs, ldx, rows, static_cast<int>((k + 1) / 2), packed, bias, static_cast<int>(n), y,
+                               false, std::max(1, threads));
+  return 0;
+}
+// How this build multiplies bf16 weights: "avx512-bf16 vdpbf16ps" or "widened in registers".
+const char* pagedkv_cpu_linear_bf16_path() { return kBf16Path; }
 
 // Returns 0 on success, nonzero for arguments the kernel does not handle. phases: which sequences
 // to compute (1: those with one query token, 2: those with more, 3: all); the others' output rows are
