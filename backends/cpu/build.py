@@ -207,6 +207,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_llama_attention_inputs.restype = i32
         lib.pagedkv_cpu_llama_mlp.argtypes = [p, i64, i64, p, i64, p, p, f32, p, i64, p, p, p, i32]
         lib.pagedkv_cpu_llama_mlp.restype = i32
+    if hasattr(lib, "pagedkv_cpu_llama_mlp_bf16"):  # (absent from libraries built before the bf16 weights)
+        lib.pagedkv_cpu_llama_attention_inputs_bf16.argtypes = lib.pagedkv_cpu_llama_attention_inputs.argtypes
+        lib.pagedkv_cpu_llama_attention_inputs_bf16.restype = i32
+        lib.pagedkv_cpu_llama_mlp_bf16.argtypes = lib.pagedkv_cpu_llama_mlp.argtypes
+        lib.pagedkv_cpu_llama_mlp_bf16.restype = i32
     if hasattr(lib, "pagedkv_cpu_llama_scratch_rows"):  # (absent from libraries whose layer calls take all rows)
         lib.pagedkv_cpu_llama_scratch_rows.argtypes = []
         lib.pagedkv_cpu_llama_scratch_rows.restype = i32

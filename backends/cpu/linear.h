@@ -329,24 +329,25 @@ inline void linear_rows_all(const typename F::X* x, int64_t ldx, int64_t rows, i
                     y + m * N, accumulate, threads);
 }
 
-// The activations as the bf16 format reads them, made once per call: for Bf16Dot the rows rounded to bf16 pairs
-// (an odd K's last pair takes a zero), for Bf16Widen the rows as they are, copied with a zero column only when
-// K is odd (a step reads two columns). Returns the rows' stride in X elements.
-template <class F = Bf16Weights>
-inline int64_t bf16_activations(const float* x, int64_t rows, int64_t k, std::vector<typename F::X>& buf,
-                                const typename F::X** out) {
+// fp32 activations x [rows, k] (rows ldx apart) as format F reads them: as they are where that works (fp32
+// weights; bf16 widened with an even K), else made once in buf: rounded to bf16 pairs for Bf16Dot (an odd K's last
+// pair takes a zero), copied with a zero column for Bf16Widen with an odd K (a step reads two columns). Sets *out,
+// returns the rows' stride in X elements.
+template <class F>
+inline int64_t activations(const float* x, int64_t ldx, int64_t rows, int64_t k, std::vector<typename F::X>& buf,
+                           const typename F::X** out) {
   using X = typename F::X;
-  const int64_t steps = (k + 1) / 2;
+  const int64_t steps = (k + F::kStep - 1) / F::kStep;
   if constexpr (std::is_same_v<X, float>) {
-    if (k % 2 == 0) {
+    if (k % F::kStep == 0) {
       *out = x;
-      return k;
+      return ldx;
     }
   }
-  const int64_t ld = std::is_same_v<X, float> ? 2 * steps : steps;
+  const int64_t ld = steps * F::kXStep;
   buf.assign(static_cast<size_t>(rows * ld), X{});
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * k;
+    const float* row = x + r * ldx;
     X* dst = buf.data() + r * ld;
     if constexpr (std::is_same_v<X, float>) {
       std::memcpy(dst, row, static_cast<size_t>(k) * sizeof(float));
@@ -360,4 +361,16 @@ inline int64_t bf16_activations(const float* x, int64_t rows, int64_t k, std::ve
   }
   *out = buf.data();
   return ld;
+}
+
+// y[rows, N] (+)= x[rows, k] W^T + bias for fp32 activations (rows ldx apart) on a weight of format F; buf is
+// scratch for activations<F>.
+template <class F>
+inline void linear_from_f32(const float* x, int64_t ldx, int64_t rows, int64_t k, const typename F::W* wp,
+                            const float* bias, int N, float* y, bool accumulate, int threads,
+                            std::vector<typename F::X>& buf) {
+  const typename F::X* xs = nullptr;
+  const int64_t ld = activations<F>(x, ldx, rows, k, buf, &xs);
+  linear_rows_all<F>(xs, ld, rows, static_cast<int>((k + F::kStep - 1) / F::kStep), wp, bias, N, y, accumulate,
+                     threads);
 }

@@ -33,18 +33,21 @@ class _LayerPlan:
     generation: int  # _registrations when it was made
     tensors: tuple[torch.Tensor, ...]  # the layer's weights it was made from, and their keys
     key: tuple
-    packs: tuple[torch.Tensor, ...]  # [Wq; Wk; Wv], Wo, [Wg; Wu], Wd (kept alive for their pointers below)
+    packs: tuple[torch.Tensor, ...]  # [Wq; Wk; Wv], Wo, [Wg; Wu], Wd, the fp32 norm weights (kept for the pointers)
     pointers: tuple[int, ...]  # the four packs', then the two norm weights'
     eps: tuple[float, float]
     nq: int
     nkv: int
     head_dim: int
     inter: int
+    dtype: torch.dtype = torch.float32  # the weights' (and the activations' it takes)
 
 
 class CpuLlamaLayers:
     """Packs each layer's ``[Wq; Wk; Wv]``, ``Wo``, ``[Wg; Wu]`` and ``Wd`` once (again if a weight is replaced or
-    changed in place) and runs the layer's attention inputs and MLP block on fp32 CPU activations.
+    changed in place) and runs the layer's attention inputs and MLP block on CPU activations of the weights' dtype:
+    fp32, or bf16 where the library has the bf16 panels (the call then runs on fp32 copies of the activations and
+    rounds its results to bf16 once).
 
     ``accepts`` checks the layer's weights (a few dozen attribute reads) and keeps the layer's plan; the two calls
     that follow it for the same layer use that plan without checking again (once per layer and step, not three
@@ -54,14 +57,19 @@ class CpuLlamaLayers:
         self.lib = lib
         self.linear = linear
         self._chunked = hasattr(lib, "pagedkv_cpu_llama_scratch_rows")
+        self._dtypes = (torch.float32, torch.bfloat16) if hasattr(lib, "pagedkv_cpu_llama_mlp_bf16") else (
+            torch.float32,)
         self._plans: weakref.WeakKeyDictionary[Any, _LayerPlan] = weakref.WeakKeyDictionary()
         self._last: tuple[Any, _LayerPlan] | None = None  # (layer, plan) of the last accepts
 
     def accepts(self, layer: Any, h: torch.Tensor) -> bool:
-        """fp32 contiguous CPU activations and fp32 CPU weights without biases (what the kernel computes)."""
-        if not (h.dtype == torch.float32 and h.device.type == "cpu" and h.is_contiguous()):
+        """Contiguous CPU activations and CPU weights without biases, all fp32 or all bf16 (what the kernel
+        computes)."""
+        if not (h.dtype in self._dtypes and h.device.type == "cpu" and h.is_contiguous()):
             return False
         plan = self._checked_plan(layer)
+        if plan is not None and plan.dtype != h.dtype:
+            plan = None
         self._last = None if plan is None else (layer, plan)
         return plan is not None
 
@@ -73,13 +81,20 @@ class CpuLlamaLayers:
         nq, nkv, head_dim = plan.nq, plan.nkv, plan.head_dim
         qkv = torch.empty((rows, nq + 2 * nkv), dtype=torch.float32)
         xn = torch.empty((self._scratch_rows(rows), dim), dtype=torch.float32)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        rc = self.lib.pagedkv_cpu_llama_attention_inputs(
+        bf16 = plan.dtype == torch.bfloat16
+        if bf16:  # (the kernel's activations are fp32)
+            h = h.float()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        call = (self.lib.pagedkv_cpu_llama_attention_inputs_bf16 if bf16
+                else self.lib.pagedkv_cpu_llama_attention_inputs)
+        rc = call(
             h.data_ptr(), rows, dim, plan.pointers[4], plan.eps[0], plan.pointers[0], nq, nkv, head_dim,
             cos.data_ptr(), sin.data_ptr(), xn.data_ptr(), qkv.data_ptr(), torch.get_num_threads(),
         )
         if rc != 0:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, q={nq}, kv={nkv}, head_dim={head_dim}")
+        if bf16:
+            qkv = qkv.to(torch.bfloat16)
         q = qkv[:, :nq].view(rows, nq // head_dim, head_dim)
         k = qkv[:, nq:nq + nkv].view(rows, nkv // head_dim, head_dim)
         v = qkv[:, nq + nkv:].view(rows, nkv // head_dim, head_dim)
@@ -98,12 +113,17 @@ class CpuLlamaLayers:
         xn = torch.empty((scratch, dim), dtype=torch.float32)
         gu = torch.empty((scratch, 2 * inter), dtype=torch.float32)
         wqkv, wo, wgu, wdown, _, norm = plan.pointers
-        rc = self.lib.pagedkv_cpu_llama_mlp(
-            h.data_ptr(), rows, dim, attn_out.data_ptr(), nq, wo, norm, plan.eps[1], wgu, inter, wdown,
+        bf16 = plan.dtype == torch.bfloat16
+        hf = h.float() if bf16 else h  # (the kernel's activations are fp32; h is updated in place)
+        call = self.lib.pagedkv_cpu_llama_mlp_bf16 if bf16 else self.lib.pagedkv_cpu_llama_mlp
+        rc = call(
+            hf.data_ptr(), rows, dim, attn_out.data_ptr(), nq, wo, norm, plan.eps[1], wgu, inter, wdown,
             xn.data_ptr(), gu.data_ptr(), torch.get_num_threads(),
         )
         if rc != 0:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, o={nq}, intermediate={inter}")
+        if bf16:
+            h.copy_(hf)
         return h
 
     def _scratch_rows(self, rows: int) -> int:
@@ -137,19 +157,20 @@ class CpuLlamaLayers:
         tensors = [m.weight for m in linears] + [n.weight for n in norms]
         key = tuple(weight_key(t) for t in tensors)
         plan = _LayerPlan(generation, tuple(tensors), key, (), (), (0.0, 0.0), 0, 0, 0, 0)
-        usable = (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-                  and all(m.bias is None for m in linears) and attn.head_dim % 2 == 0
-                  and all(n.weight.is_contiguous() for n in norms))
+        dtype = tensors[0].dtype
+        usable = (dtype in self._dtypes and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+                  and all(m.bias is None for m in linears) and attn.head_dim % 2 == 0)
         if usable:
             with torch.no_grad():
                 q, k, v, o, g, u, d = (m.weight.detach() for m in linears)
                 packs = (self.linear.pack(torch.cat([q, k, v])), self.linear.pack(o),
-                         self.linear.pack(torch.cat([g, u])), self.linear.pack(d))
-            pointers = tuple(t.data_ptr() for t in (*packs, norms[0].weight, norms[1].weight))
+                         self.linear.pack(torch.cat([g, u])), self.linear.pack(d),
+                         *(n.weight.detach().float().contiguous() for n in norms))  # (fp32 weights: no copy)
+            pointers = tuple(t.data_ptr() for t in packs)
             plan = _LayerPlan(generation, tuple(tensors), key, packs, pointers,
                               (float(norms[0].eps), float(norms[1].eps)), attn.q_proj.out_features,
                               attn.k_proj.out_features, attn.head_dim,
-                              mlp.gate_proj.out_features)
+                              mlp.gate_proj.out_features, dtype)
         self._plans[layer] = plan
         return plan
 
