@@ -83,3 +83,20 @@ def test_bf16_layer_refuses_fp32_activations_and_mixed_weights(layers):
     assert not layers.accepts(layer, torch.randn(1, 3, 48)), "fp32 activations on a bf16 layer"
     layer.mlp.down_proj.float()
     assert not layers.accepts(layer, torch.randn(1, 3, 48).bfloat16()), "weights of two dtypes"
+
+
+def test_a_layer_cast_to_bf16_after_packing_is_repacked(layers):
+    # Module.to / .bfloat16() give the parameters new data in place of the old (no registration): the plan
+    # must see it
+    layer = make_layer(*SHAPES["gqa_hd8"], seed=3)
+    h = torch.randn(1, 5, 48)
+    cos, sin = rotary(5, 8, seed=3)
+    assert layers.accepts(layer, h)
+    layers.attention_inputs(layer, h, cos, sin)  # packs the fp32 layer
+    layer.bfloat16()
+    assert not layers.accepts(layer, h), "fp32 activations on the now bf16 layer"
+    h16, cos16, sin16 = h.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    assert layers.accepts(layer, h16)
+    for name, tensor, (expected, tol) in zip("qkv", layers.attention_inputs(layer, h16, cos16, sin16),
+                                              attention_inputs64(layer, h16, cos16, sin16)):
+        assert_bf16_within(tensor, expected, tol, 2 * 48, f"after the cast: {name}")
