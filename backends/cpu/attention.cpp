@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -551,6 +552,18 @@ int pagedkv_cpu_linear(const float* x, int64_t rows, int64_t k, const float* pac
   return 0;
 }
 
+// The packed linear on bf16 weights (linear.h's bf16 panels, [panel][k / 2][panel width][2], K padded to even):
+// y[rows, n] = x[rows, k] W^T + bias in fp32, x and bias fp32. Returns 0, or nonzero for sizes it does not take.
+int pagedkv_cpu_linear_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* packed, const float* bias,
+                            int64_t n, float* y, int threads) {
+  if (rows < 0 || k <= 0 || n <= 0 || k > INT32_MAX / kNr || n > INT32_MAX) return 1;
+  std::vector<Bf16Weights::X> buf;
+  linear_from_f32<Bf16Weights>(x, k, rows, k, packed, bias, static_cast<int>(n), y, false, std::max(1, threads), buf);
+  return 0;
+}
+// How this build multiplies bf16 weights: "avx512-bf16 vdpbf16ps" or "widened in registers".
+const char* pagedkv_cpu_linear_bf16_path() { return kBf16Path; }
+
 // Returns 0 on success, nonzero for arguments the kernel does not handle. phases: which sequences
 // to compute (1: those with one query token, 2: those with more, 3: all); the others' output rows are
 // left alone, for the caller to fill (backend.py sends prefills to torch where that is faster).
@@ -598,22 +611,16 @@ int pagedkv_cpu_attend(int dtype, const void* q, int64_t q_tok_stride, int64_t q
 int pagedkv_cpu_llama_attention_inputs(const float* h, int64_t rows, int64_t d, const float* norm_weight, float eps,
                                        const float* wqkv, int64_t nq, int64_t nkv, int64_t head_dim,
                                        const float* cos, const float* sin, float* xn, float* qkv, int threads) {
-  if (rows < 0 || d <= 0 || nq <= 0 || nkv <= 0 || head_dim <= 0 || head_dim % 2 != 0 || nq % head_dim != 0 ||
-      nkv % head_dim != 0 || d > INT32_MAX / kNr || nq + 2 * nkv > INT32_MAX)
-    return 1;
-  threads = std::max(1, threads);
-  const int width = static_cast<int>(nq + 2 * nkv), dim = static_cast<int>(head_dim);
-  const int rotated = static_cast<int>((nq + nkv) / head_dim);  // q's heads, then k's, side by side in a row
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {  // (kRowChunk rows at a time, as in the MLP block below)
-    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
-    float* out = qkv + r0 * width;
-    rms_norm_rows(h + r0 * d, n, static_cast<int>(d), norm_weight, eps, xn, threads);
-    linear_rows_all(xn, d, n, static_cast<int>(d), wqkv, nullptr, width, out, false, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelRows)
-    for (int64_t t = 0; t < n; ++t)
-      rotate_heads(out + t * width, rotated, dim, cos + (r0 + t) * dim, sin + (r0 + t) * dim);
-  }
-  return 0;
+  return llama_attention_inputs<F32Weights>(h, rows, d, norm_weight, eps, wqkv, nq, nkv, head_dim, cos, sin, xn, qkv,
+                                            threads);
+}
+// The same on bf16 weights (linear.h's bf16 panels); activations, norm weights, cos/sin and outputs stay fp32.
+int pagedkv_cpu_llama_attention_inputs_bf16(const float* h, int64_t rows, int64_t d, const float* norm_weight,
+                                            float eps, const uint16_t* wqkv, int64_t nq, int64_t nkv,
+                                            int64_t head_dim, const float* cos, const float* sin, float* xn,
+                                            float* qkv, int threads) {
+  return llama_attention_inputs<Bf16Weights>(h, rows, d, norm_weight, eps, wqkv, nq, nkv, head_dim, cos, sin, xn,
+                                             qkv, threads);
 }
 
 // MLP block: h [rows, d] += attn [rows, nq] Wo^T; xn = RMSNorm(h); gu = xn [Wg; Wu]^T [rows, 2 inter];
@@ -622,25 +629,13 @@ int pagedkv_cpu_llama_attention_inputs(const float* h, int64_t rows, int64_t d, 
 int pagedkv_cpu_llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, int64_t nq, const float* wo,
                           const float* norm_weight, float eps, const float* wgu, int64_t inter, const float* wdown,
                           float* xn, float* gu, int threads) {
-  if (rows < 0 || d <= 0 || nq <= 0 || inter <= 0 || d > INT32_MAX / kNr || nq > INT32_MAX / kNr ||
-      inter > INT32_MAX / kNr)
-    return 1;
-  threads = std::max(1, threads);
-  const int dim = static_cast<int>(d), mid = static_cast<int>(inter);
-  // A long input goes through the whole block kRowChunk rows at a time: every weight is read once per
-  // kRowChunk rows either way (linear.h), and this way a chunk's gate/up rows (60 x 2 x 1,536 floats for
-  // SmolLM2, 737 KB) are still in cache when the SiLU and down_proj read them, instead of a prompt's 25 MB
-  // going out to memory and back. Rows are independent, so the result is the same to the bit.
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
-    float* hc = h + r0 * d;
-    linear_rows_all(attn + r0 * nq, nq, n, static_cast<int>(nq), wo, nullptr, dim, hc, true, threads);
-    rms_norm_rows(hc, n, dim, norm_weight, eps, xn, threads);
-    linear_rows_all(xn, d, n, dim, wgu, nullptr, 2 * mid, gu, false, threads);
-    silu_mul_rows(gu, n, mid, threads);
-    linear_rows_all(gu, 2 * inter, n, mid, wdown, nullptr, dim, hc, true, threads);
-  }
-  return 0;
+  return llama_mlp<F32Weights>(h, rows, d, attn, nq, wo, norm_weight, eps, wgu, inter, wdown, xn, gu, threads);
+}
+// The same on bf16 weights; h, attn, the norm weight and the scratch stay fp32.
+int pagedkv_cpu_llama_mlp_bf16(float* h, int64_t rows, int64_t d, const float* attn, int64_t nq, const uint16_t* wo,
+                               const float* norm_weight, float eps, const uint16_t* wgu, int64_t inter,
+                               const uint16_t* wdown, float* xn, float* gu, int threads) {
+  return llama_mlp<Bf16Weights>(h, rows, d, attn, nq, wo, norm_weight, eps, wgu, inter, wdown, xn, gu, threads);
 }
 
 // Rows of the layer calls' scratch (xn, gu): they go through kRowChunk rows at a time.

@@ -35,7 +35,10 @@ SOURCE = Path(__file__).resolve().parent / "attention.cpp"
 HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h", "llama_block.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})
 X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    # the avx512 build plus vdpbf16ps for bf16 weights (Zen 4 and later, Cooper Lake, Sapphire Rapids and later)
+    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"), _AVX512 | {"avx512_bf16"}),
     "avx512": (("-march=x86-64-v4", "-mtune=native"),
                frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})),
     "avx2": (("-march=x86-64-v3", "-mtune=native"),
@@ -48,7 +51,7 @@ CHECK_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512-shape": (("-march=x86-64-v3", "-mtune=native", "-DPAGEDKV_AVX512_SHAPE"), X86_VARIANTS["avx2"][1]),
 }
 # what pagedkv_cpu_lanes() of each build returns
-LANES = {"avx512": 16, "avx2": 8, "generic": 4, "avx512-shape": 16}
+LANES = {"avx512-bf16": 16, "avx512": 16, "avx2": 8, "generic": 4, "avx512-shape": 16}
 
 
 class BuildError(RuntimeError):
@@ -194,11 +197,21 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_linear_panel.restype = i32
         lib.pagedkv_cpu_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
         lib.pagedkv_cpu_linear.restype = i32
+    if hasattr(lib, "pagedkv_cpu_linear_bf16"):  # (absent from libraries built before the bf16 weights)
+        lib.pagedkv_cpu_linear_bf16.argtypes = [p, i64, i64, p, p, i64, p, i32]
+        lib.pagedkv_cpu_linear_bf16.restype = i32
+        lib.pagedkv_cpu_linear_bf16_path.argtypes = []
+        lib.pagedkv_cpu_linear_bf16_path.restype = ctypes.c_char_p
     if hasattr(lib, "pagedkv_cpu_llama_mlp"):  # (absent from libraries built before the fused Llama layer)
         lib.pagedkv_cpu_llama_attention_inputs.argtypes = [p, i64, i64, p, f32, p, i64, i64, i64, p, p, p, p, i32]
         lib.pagedkv_cpu_llama_attention_inputs.restype = i32
         lib.pagedkv_cpu_llama_mlp.argtypes = [p, i64, i64, p, i64, p, p, f32, p, i64, p, p, p, i32]
         lib.pagedkv_cpu_llama_mlp.restype = i32
+    if hasattr(lib, "pagedkv_cpu_llama_mlp_bf16"):  # (absent from libraries built before the bf16 weights)
+        lib.pagedkv_cpu_llama_attention_inputs_bf16.argtypes = lib.pagedkv_cpu_llama_attention_inputs.argtypes
+        lib.pagedkv_cpu_llama_attention_inputs_bf16.restype = i32
+        lib.pagedkv_cpu_llama_mlp_bf16.argtypes = lib.pagedkv_cpu_llama_mlp.argtypes
+        lib.pagedkv_cpu_llama_mlp_bf16.restype = i32
     if hasattr(lib, "pagedkv_cpu_llama_scratch_rows"):  # (absent from libraries whose layer calls take all rows)
         lib.pagedkv_cpu_llama_scratch_rows.argtypes = []
         lib.pagedkv_cpu_llama_scratch_rows.restype = i32

@@ -1,4 +1,5 @@
-// The dense parts of a Llama decoder layer, around its attention, in two calls (fp32, CPU):
+// The dense parts of a Llama decoder layer, around its attention, in two calls (fp32 activations, fp32 or bf16
+// weights in linear.h's formats, CPU):
 //
 //   attention inputs: xn = RMSNorm(h); [q k v] = xn [Wq; Wk; Wv]^T; rotary on q and k
 //   MLP block:        h += attn Wo^T; xn = RMSNorm(h); h += (SiLU(xn Wg^T) * xn Wu^T) Wd^T
@@ -83,4 +84,59 @@ inline void silu_mul_rows(float* gu, int64_t rows, int inter, int threads) {
     }
     for (; i < inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
+}
+
+// attention inputs: h [rows, d] -> qkv [rows, nq + 2 nkv] (q and k rotated by cos/sin [rows, head_dim]), through
+// the scratch xn [min(rows, kRowChunk), d]; wqkv is [Wq; Wk; Wv] packed in format F. Returns 0, or nonzero for
+// sizes it does not take.
+template <class F>
+inline int llama_attention_inputs(const float* h, int64_t rows, int64_t d, const float* norm_weight, float eps,
+                                  const typename F::W* wqkv, int64_t nq, int64_t nkv, int64_t head_dim,
+                                  const float* cos, const float* sin, float* xn, float* qkv, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || nkv <= 0 || head_dim <= 0 || head_dim % 2 != 0 || nq % head_dim != 0 ||
+      nkv % head_dim != 0 || d > INT32_MAX / kNr || nq + 2 * nkv > INT32_MAX)
+    return 1;
+  threads = std::max(1, threads);
+  const int width = static_cast<int>(nq + 2 * nkv), dim = static_cast<int>(head_dim);
+  const int rotated = static_cast<int>((nq + nkv) / head_dim);  // q's heads, then k's, side by side in a row
+  std::vector<typename F::X> buf;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {  // (kRowChunk rows at a time, as in the MLP block below)
+    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
+    float* out = qkv + r0 * width;
+    rms_norm_rows(h + r0 * d, n, static_cast<int>(d), norm_weight, eps, xn, threads);
+    linear_from_f32<F>(xn, d, n, d, wqkv, nullptr, width, out, false, threads, buf);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelRows)
+    for (int64_t t = 0; t < n; ++t)
+      rotate_heads(out + t * width, rotated, dim, cos + (r0 + t) * dim, sin + (r0 + t) * dim);
+  }
+  return 0;
+}
+
+// MLP block: h [rows, d] += attn [rows, nq] Wo^T; xn = RMSNorm(h); gu = xn [Wg; Wu]^T [rows, 2 inter];
+// h += (SiLU(gate) * up) Wd^T. h is updated in place; xn [min(rows, kRowChunk), d] and gu [min(rows,
+// kRowChunk), 2 inter] are scratch; the weights are packed in format F.
+template <class F>
+inline int llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, int64_t nq, const typename F::W* wo,
+                     const float* norm_weight, float eps, const typename F::W* wgu, int64_t inter,
+                     const typename F::W* wdown, float* xn, float* gu, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || inter <= 0 || d > INT32_MAX / kNr || nq > INT32_MAX / kNr ||
+      inter > INT32_MAX / kNr)
+    return 1;
+  threads = std::max(1, threads);
+  const int dim = static_cast<int>(d), mid = static_cast<int>(inter);
+  std::vector<typename F::X> buf;
+  // A long input goes through the whole block kRowChunk rows at a time: every weight is read once per
+  // kRowChunk rows either way (linear.h), and this way a chunk's gate/up rows (60 x 2 x 1,536 floats for
+  // SmolLM2, 737 KB) are still in cache when the SiLU and down_proj read them, instead of a prompt's 25 MB
+  // going out to memory and back. Rows are independent, so the result is the same to the bit.
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
+    float* hc = h + r0 * d;
+    linear_from_f32<F>(attn + r0 * nq, nq, n, nq, wo, nullptr, dim, hc, true, threads, buf);
+    rms_norm_rows(hc, n, dim, norm_weight, eps, xn, threads);
+    linear_from_f32<F>(xn, d, n, d, wgu, nullptr, 2 * mid, gu, false, threads, buf);
+    silu_mul_rows(gu, n, mid, threads);
+    linear_from_f32<F>(gu, 2 * inter, n, inter, wdown, nullptr, dim, hc, true, threads, buf);
+  }
+  return 0;
 }

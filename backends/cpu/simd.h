@@ -26,7 +26,11 @@ constexpr const char* kIsaName = "avx512-shape";
 #elif defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kRegisters = 32;
+#if defined(__AVX512BF16__)
+constexpr const char* kIsaName = "avx512-bf16";  // the avx512 build and vdpbf16ps for bf16 weights (linear.h)
+#else
 constexpr const char* kIsaName = "avx512";
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kRegisters = 16;

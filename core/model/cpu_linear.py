@@ -36,9 +36,10 @@ log = logging.getLogger("pagedkv")
 
 @runtime_checkable
 class LinearKernel(Protocol):
-    """A backend's fp32 CPU linear ``y = x W^T + b`` on a weight it packed once in its own layout."""
+    """A backend's CPU linear ``y = x W^T + b`` on a weight it packed once in its own layout."""
 
     name: str  # identifies the packed layout: a pack is remade for a kernel of another name
+    dtypes: tuple[torch.dtype, ...]  # the weight dtypes it multiplies (the input then has the weight's dtype)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor: ...
 
@@ -78,13 +79,13 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own parameter name
         packing = _ACTIVE.get()
-        if packing is not None and input.dtype == torch.float32 and input.device.type == "cpu":
+        if packing is not None and input.device.type == "cpu":
             if packing == ONEDNN:
-                if input.numel() >= MIN_ROWS * input.shape[-1]:
+                if input.dtype == torch.float32 and input.numel() >= MIN_ROWS * input.shape[-1]:
                     pack = self.packed_weight()
                     if pack is not None:
                         return torch.ops.mkldnn._linear_pointwise(input, pack, self.bias, "none", [], "")
-            elif self.bias is None or self.bias.dtype == torch.float32:
+            elif input.dtype == self.weight.dtype and (self.bias is None or self.bias.dtype == input.dtype):
                 pack = self.packed_weight(packing)
                 if pack is not None:
                     return packing.linear(input, pack, self.bias, self.out_features)
@@ -100,12 +101,12 @@ class PackedLinear(torch.nn.Linear):
 
     def packed_weight(self, kernel: LinearKernel | None = None) -> torch.Tensor | None:
         """The weight packed for ``kernel`` (default oneDNN), (re)made if the weight or the kernel changed;
-        None when the weight is not fp32 on the CPU."""
+        None when the weight is not on the CPU in a dtype the packing takes (fp32; the kernel's ``dtypes``)."""
         weight = self.weight
         key = (weight_key(weight), ONEDNN if kernel is None else kernel.name)
         if key != self._pack_key:
             self._pack = None  # (the old pack is let go before the new one is made)
-            if _packable(weight):
+            if _packable(weight, kernel):
                 with torch.no_grad():
                     self._pack = onednn_pack(weight) if kernel is None else kernel.pack(weight.detach().contiguous())
             self._pack_key = key
@@ -120,26 +121,26 @@ def pack_linears(model: torch.nn.Module, kernel: LinearKernel | None = None) -> 
     one log line, and the model runs as it is). Idempotent."""
     if kernel is None and not available():
         return 0
-    if not packed_copies_fit(model, warn=True):
+    if not packed_copies_fit(model, warn=True, kernel=kernel):
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and _packable(module.weight):
+        if type(module) is torch.nn.Linear and _packable(module.weight, kernel):
             # The class is changed in place, not the module replaced, so everything attached to it stays:
             # its forward hooks (tensor parallel's all-reduce), parameters, tied weights, name. PackedLinear
             # adds no state but its pack (torch.nn.utils.parametrize upgrades modules the same way).
             module.__class__ = PackedLinear
-        if isinstance(module, PackedLinear) and _packable(module.weight):
+        if isinstance(module, PackedLinear) and _packable(module.weight, kernel):
             count += 1
     return count
 
 
-def packed_copies_fit(model: torch.nn.Module, warn: bool = False) -> bool:
+def packed_copies_fit(model: torch.nn.Module, warn: bool = False, kernel: LinearKernel | None = None) -> bool:
     """Whether a packed copy of every fp32 CPU linear weight of ``model`` fits in half the memory available now
     (the other half is left to the KV cache and the step's activations). A backend's fused layers pack the same
     weights, so they ask this too."""
     needed = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and _packable(m.weight) and m.__dict__.get("_pack") is None)
+                 if isinstance(m, torch.nn.Linear) and _packable(m.weight, kernel) and m.__dict__.get("_pack") is None)
     free = available_memory()
     if free is not None and needed > free // 2:
         if warn:
@@ -160,8 +161,10 @@ def packed_linears(enabled: bool = True, kernel: LinearKernel | None = None) -> 
         _ACTIVE.reset(token)
 
 
-def _packable(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
+def _packable(weight: torch.Tensor, kernel: LinearKernel | None = None) -> bool:
+    """fp32 CPU matrices; for a backend's kernel, those of its ``dtypes`` (oneDNN's path here is fp32 only)."""
+    dtypes = (torch.float32,) if kernel is None else kernel.dtypes
+    return weight.dtype in dtypes and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:

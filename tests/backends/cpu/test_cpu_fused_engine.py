@@ -1,5 +1,6 @@
 """The cpu backend's fused Llama layer and packed linear inside the engine: offered to pagedkv's own Llama on
-fp32 only, actually taken, and greedy tokens equal to transformers' ``generate`` with every block back."""
+fp32 and bf16, actually taken, and greedy tokens equal to transformers' ``generate`` with every block
+back."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def test_kernels_are_offered_to_pagedkv_llama_on_fp32_only(tiny_dir):
+def test_kernels_are_offered_to_pagedkv_llama_on_fp32_and_bf16(tiny_dir):
     ours = engine(tiny_dir)
     assert isinstance(ours.runner.layer_kernel, CpuLlamaLayers)
     assert isinstance(ours.runner.linear_kernel, CpuLinearKernel)
@@ -37,9 +38,10 @@ def test_kernels_are_offered_to_pagedkv_llama_on_fp32_only(tiny_dir):
     assert isinstance(theirs.runner.linear_kernel, CpuLinearKernel)
     by_torch = engine(tiny_dir, backend="torch")
     assert by_torch.runner.layer_kernel is None and by_torch.runner.linear_kernel is None
-    bf16 = engine(tiny_dir, dtype=torch.bfloat16)  # offered, but it accepts no bf16 layer
+    bf16 = engine(tiny_dir, dtype=torch.bfloat16)  # bf16 layers on the bf16 panels (test_cpu_bf16_engine.py)
     layer = bf16.model.model.layers[0]
-    assert not bf16.runner.layer_kernel.accepts(layer, torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+    assert bf16.runner.layer_kernel.accepts(layer, torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+    assert not bf16.runner.layer_kernel.accepts(layer, torch.zeros(1, 1, 64)), "fp32 activations, bf16 weights"
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(head_dim=24, num_key_value_heads=1, num_attention_heads=3,
