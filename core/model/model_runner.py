@@ -21,6 +21,7 @@ from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, registe
 from pagedkv.core.model.llama_model import HasLlamaLayerKernel
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_support import check_model_support
+from pagedkv.core.model.quant_linear import HasQuantKernel, has_quantized, quantized_linears
 from pagedkv.core.sample.logprobs import prompt_logprob_span
 from pagedkv.core.sched.scheduler_output import SchedulerOutput
 from pagedkv.core.startup_phases import phase
@@ -66,7 +67,10 @@ class ModelRunner:
         # pagedkv's own Llama on the CPU: the layers' dense parts fused by the backend, where it offers that (it
         # packs the same weights as the linears, so not when those copies would not fit in memory)
         self.layer_kernel = (backend.llama_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
-                             and isinstance(backend, HasLlamaLayerKernel) and packed_copies_fit(model) else None)
+                             and isinstance(backend, HasLlamaLayerKernel) and not has_quantized(model)
+                             and packed_copies_fit(model) else None)
+        # weights kept in GGUF blocks (quantization gguf): multiplied by the backend's kernel where it has one
+        self.quant_kernel = backend.quant_kernel if isinstance(backend, HasQuantKernel) else None
         with phase("linear layers set to pack at first use"):
             self.packed_linears = device == "cpu" and pack_linears(model, self.linear_kernel) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
@@ -123,7 +127,7 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, pairs)
         meta = self.build_metadata(batch)
         step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches, layer_kernel=self.layer_kernel)
-        with packed_linears(self.packed_linears, self.linear_kernel):
+        with packed_linears(self.packed_linears, self.linear_kernel), quantized_linears(self.quant_kernel):
             result = self.model(
                 input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
                 position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),
