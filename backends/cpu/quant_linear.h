@@ -1,0 +1,187 @@
+// y = x W^T for fp32 activations x and a weight W kept in a GGUF block format (quantization gguf): Q8_0, Q4_0,
+// Q4_1 (core/model/quant_formats.py has the byte layouts). Included by attention.cpp after the other kernels; it
+// uses simd.h's vector layer (kLanes floats a vector, add_lanes).
+//
+// Why: a decode step at small batch is bound by the bytes of the weights it reads, and these blocks are 4.5-8.5
+// bits a weight where fp32 is 32. The weights stay in the file's layout (row after row of 32-value blocks, no
+// repacking, so the resident weights are the file's size) and are de-quantized in registers: each kLanes-value
+// chunk of a block is widened to floats (int8 sign-extended, or a nibble masked), scaled (q * d + m, one fused
+// multiply-add; Q4_0's m is -8 d, Q8_0's is 0) and used at once by every activation row of the tile.
+//
+// Tile: R activation rows x C weight rows, R x C accumulator vectors (one per output, reduced across lanes at
+// the end), C de-quantized weight vectors and one activation vector in registers (AVX-512, 32 registers: R <= 6,
+// C = 8 for 1-2 rows, 4 for more; AVX2, 16 registers: R <= 4, C = 4 or 2). Threads take equal contiguous ranges of
+// kQColBlock weight rows; within a range, each block of kQColBlock weight rows (16 rows of Q4_1 at k = 1536 are
+// 15 KB: L1) is used by every row tile of x before the next is read, so memory streams each weight byte once.
+// Sums are fp32 fused multiply-adds in k order per lane, so results differ from a float64 product of the
+// de-quantized weights by rounding only (tests/backends/cpu/test_cpu_quant_linear.py).
+
+#pragma once
+
+namespace {
+namespace pagedkv_quant {
+
+constexpr int kQBlock = 32;                          // values a block, every format here
+constexpr int kQChunks = kQBlock / kLanes;           // vectors a block
+constexpr int kQRows = kRegisters >= 32 ? 6 : 4;     // activation rows of a tile at most
+constexpr int kQColBlock = 16;                       // weight rows a thread finishes before moving on
+constexpr int qcols(int rows) {                      // weight rows of a tile of `rows` activation rows
+  return kRegisters >= 32 ? (rows <= 2 ? 8 : 4) : (rows <= 2 ? 4 : 2);
+}
+static_assert(kQBlock % kLanes == 0 && kLanes <= 16, "a chunk lies in one half of a nibble block");
+
+typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
+typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in fp32
+    const float f = static_cast<float>(man) * (1.0f / 16777216.0f);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 0x1f ? 0x7f800000u : (exp + 112u) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// One format: its block size, the scale and offset of a block, and chunk j of its values as floats.
+template <int F>
+struct Format;
+
+template <>
+struct Format<0> {  // Q8_0: d, 32 int8
+  static constexpr int kBytes = 34;
+  static void scales(const uint8_t* b, float& d, float& m) { d = half_to_float(b), m = 0.0f; }
+  static vfloat chunk(const uint8_t* b, int j, float d, float) {
+    vsbytes q;
+    std::memcpy(&q, b + 2 + j * kLanes, sizeof(q));
+    return __builtin_convertvector(__builtin_convertvector(q, vint), vfloat) * d;
+  }
+};
+
+// The nibble formats: value i of a block in the low nibble of byte i (i < 16), value i + 16 in its high one.
+template <int kOffset>
+inline vfloat nibbles(const uint8_t* b, int j, float d, float m) {
+  const int e0 = j * kLanes;
+  vbytes q;
+  std::memcpy(&q, b + kOffset + (e0 & 15), sizeof(q));
+  q = e0 >= 16 ? q >> 4 : q & 15;
+  return __builtin_convertvector(__builtin_convertvector(q, vint), vfloat) * d + m;
+}
+
+template <>
+struct Format<1> {  // Q4_0: d, 16 nibble bytes; value d (q - 8) = q d + (-8 d)
+  static constexpr int kBytes = 18;
+  static void scales(const uint8_t* b, float& d, float& m) { d = half_to_float(b), m = -8.0f * d; }
+  static vfloat chunk(const uint8_t* b, int j, float d, float m) { return nibbles<2>(b, j, d, m); }
+};
+
+template <>
+struct Format<2> {  // Q4_1: d, m, 16 nibble bytes; value q d + m
+  static constexpr int kBytes = 20;
+  static void scales(const uint8_t* b, float& d, float& m) { d = half_to_float(b), m = half_to_float(b + 2); }
+  static vfloat chunk(const uint8_t* b, int j, float d, float m) { return nibbles<4>(b, j, d, m); }
+};
+
+struct Args {
+  const float* x;
+  int64_t rows;
+  int k;
+  const uint8_t* w;
+  int64_t row_bytes;
+  int n;
+  float* y;
+};
+
+// y[r0 + r, n0 + c] for r < R, c < C: one register tile over every block of the C weight rows.
+template <int F, int R, int C>
+inline void tile(const Args& a, int64_t r0, int n0) {
+  vfloat acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vfloat{};
+  const float* x = a.x + r0 * a.k;
+  const uint8_t* w = a.w + n0 * a.row_bytes;
+  for (int b = 0; b < a.k / kQBlock; ++b) {
+    const uint8_t* blk[C];
+    float d[C], m[C];
+    for (int c = 0; c < C; ++c) {
+      blk[c] = w + c * a.row_bytes + b * Format<F>::kBytes;
+      Format<F>::scales(blk[c], d[c], m[c]);
+    }
+    for (int j = 0; j < kQChunks; ++j) {
+      vfloat wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Format<F>::chunk(blk[c], j, d[c], m[c]);
+      for (int r = 0; r < R; ++r) {
+        const vfloat xv = load(x + r * a.k + b * kQBlock + j * kLanes);
+        for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a.y[(r0 + r) * a.n + n0 + c] = add_lanes(acc[r][c]);
+}
+
+// Weight rows [n0, n1) against activation rows [r0, r0 + R): C-row tiles, then single rows for the rest.
+template <int F, int R>
+inline void tiles(const Args& a, int64_t r0, int n0, int n1) {
+  constexpr int C = qcols(R);
+  int n = n0;
+  for (; n + C <= n1; n += C) tile<F, R, C>(a, r0, n);
+  for (; n < n1; ++n) tile<F, R, 1>(a, r0, n);
+}
+
+template <int F, int... R>
+inline void tail_tiles(int rows, std::integer_sequence<int, R...>, const Args& a, int64_t r0, int n0, int n1) {
+  ((rows == R + 1 ? tiles<F, R + 1>(a, r0, n0, n1) : void()), ...);
+}
+
+template <int F>
+void run(const Args& a, int threads) {
+  const int units = (a.n + kQColBlock - 1) / kQColBlock;
+  threads = std::max(1, std::min(threads, units));
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const int first = static_cast<int>(static_cast<int64_t>(units) * t / threads);
+    const int last = static_cast<int>(static_cast<int64_t>(units) * (t + 1) / threads);
+    for (int u = first; u < last; ++u) {
+      const int n0 = u * kQColBlock, n1 = std::min(a.n, n0 + kQColBlock);
+      int64_t r0 = 0;
+      for (; r0 + kQRows <= a.rows; r0 += kQRows) tiles<F, kQRows>(a, r0, n0, n1);
+      if (r0 < a.rows)
+        tail_tiles<F>(static_cast<int>(a.rows - r0), std::make_integer_sequence<int, kQRows - 1>{}, a, r0, n0, n1);
+    }
+  }
+}
+
+}  // namespace pagedkv_quant
+}  // namespace
+
+extern "C" {
+
+// y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), rows of W row_bytes
+// apart (k / 32 blocks each), x and y contiguous. Returns 0, 1 for sizes it does not take, 2 for an unknown format.
+int pagedkv_cpu_quant_linear(int format, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                             float* y, int threads) {
+  using namespace pagedkv_quant;
+  if (rows < 0 || k <= 0 || k % kQBlock != 0 || n <= 0 || k > INT32_MAX / 4 || n > INT32_MAX) return 1;
+  const int64_t blocks = k / kQBlock;
+  threads = std::max(1, threads);
+  switch (format) {
+    case 0: return run<0>({x, rows, static_cast<int>(k), w, blocks * Format<0>::kBytes, static_cast<int>(n), y},
+                          threads), 0;
+    case 1: return run<1>({x, rows, static_cast<int>(k), w, blocks * Format<1>::kBytes, static_cast<int>(n), y},
+                          threads), 0;
+    case 2: return run<2>({x, rows, static_cast<int>(k), w, blocks * Format<2>::kBytes, static_cast<int>(n), y},
+                          threads), 0;
+    default: return 2;
+  }
+}
+
+}  // extern "C"
