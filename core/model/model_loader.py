@@ -85,14 +85,17 @@ def resolve_model_dir(model: str | None, revision: str | None = None, quantizati
 
 
 def _gguf_dir(model: str | None, revision: str | None) -> Path:
-    from pagedkv.core.model.gguf_loader import gguf_sidecar
+    from pagedkv.core.model.gguf_loader import GGUF_LINK, gguf_sidecar
 
     if model in (None, "", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}") and revision is None:
         path, name = default_gguf(), DEFAULT_MODEL
     else:
         path, name = Path(str(model)).expanduser(), None
+        if revision is None and (path / "config.json").is_file() and (path / GGUF_LINK).is_file():
+            return path  # a GGUF model directory: its config, tokenizer and model.gguf side by side
         if revision is not None or not (path.is_file() and path.suffix == ".gguf"):
-            raise ConfigError(f"quantization gguf runs a .gguf file (or the default model), not {model!r}")
+            raise ConfigError(f"quantization gguf runs a .gguf file, a directory with config.json and {GGUF_LINK}, "
+                              f"or the default model; not {model!r}")
     return gguf_sidecar(path, cache_dir() / "models" / f"{name or path.stem}-{conversion_key(path)}-gguf")
 
 

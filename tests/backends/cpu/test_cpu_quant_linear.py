@@ -21,8 +21,8 @@ from pagedkv.core.model.quant_linear import QuantLinear, quantized_linears
 gguf = pytest.importorskip("gguf")
 
 ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 61]
-OUT_FEATURES = [1, 5, 16, 17, 40, 192]  # around C (2-8) and the 16-row column block
-IN_FEATURES = [32, 96, 576]
+OUT_FEATURES = [1, 17, 40, 192]  # around C (2-8) and the 16-row column block
+IN_FEATURES = [32, 576]
 GUARD = 64
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -66,7 +66,7 @@ def test_direct_call_matches_float64_of_the_dequantized_weight(kernel, qtype, in
         x_buf = torch.full((rows * in_features + GUARD,), float("nan"))
         x_buf[: x.numel()] = x.reshape(-1)
         y_buf = torch.full((rows * out_features + GUARD,), float("nan"))
-        threads = 1 + rows % 3
+        threads = 1 + rows % 2
         rc = kernel.lib.pagedkv_cpu_quant_linear(FORMATS[qtype].code, ctypes.c_void_p(x_buf.data_ptr()), rows,
                                                  in_features, ctypes.c_void_p(w_buf.data_ptr()), out_features,
                                                  ctypes.c_void_p(y_buf.data_ptr()), threads)
