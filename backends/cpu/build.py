@@ -205,6 +205,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "pagedkv_cpu_quant_linear"):  # (absent from libraries built before quantization gguf)
         lib.pagedkv_cpu_quant_linear.argtypes = [i32, p, i64, i64, p, i64, p, i32]
         lib.pagedkv_cpu_quant_linear.restype = i32
+        lib.pagedkv_cpu_quant_llama_attention_inputs.argtypes = [p, i64, i64, p, f32, p, p, i64, i64, i64, p, p, p, p,
+                                                                 i32]
+        lib.pagedkv_cpu_quant_llama_attention_inputs.restype = i32
+        lib.pagedkv_cpu_quant_llama_mlp.argtypes = [p, i64, i64, p, i64, p, f32, i64, p, p, p, p, i32]
+        lib.pagedkv_cpu_quant_llama_mlp.restype = i32
     return lib
 
 

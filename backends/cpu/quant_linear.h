@@ -94,10 +94,13 @@ struct Args {
   const float* x;
   int64_t rows;
   int k;
+  int64_t ldx;  // x's row stride
   const uint8_t* w;
   int64_t row_bytes;
   int n;
   float* y;
+  int64_t ldy;      // y's row stride
+  bool accumulate;  // y += instead of y =
 };
 
 // y[r0 + r, n0 + c] for r < R, c < C: one register tile over every block of the C weight rows.
@@ -106,7 +109,7 @@ inline void tile(const Args& a, int64_t r0, int n0) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vfloat{};
-  const float* x = a.x + r0 * a.k;
+  const float* x = a.x + r0 * a.ldx;
   const uint8_t* w = a.w + n0 * a.row_bytes;
   for (int b = 0; b < a.k / kQBlock; ++b) {
     const uint8_t* blk[C];
@@ -119,13 +122,16 @@ inline void tile(const Args& a, int64_t r0, int n0) {
       vfloat wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Format<F>::chunk(blk[c], j, d[c], m[c]);
       for (int r = 0; r < R; ++r) {
-        const vfloat xv = load(x + r * a.k + b * kQBlock + j * kLanes);
+        const vfloat xv = load(x + r * a.ldx + b * kQBlock + j * kLanes);
         for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a.y[(r0 + r) * a.n + n0 + c] = add_lanes(acc[r][c]);
+    for (int c = 0; c < C; ++c) {
+      float& out = a.y[(r0 + r) * a.ldy + n0 + c];
+      out = a.accumulate ? out + add_lanes(acc[r][c]) : add_lanes(acc[r][c]);
+    }
 }
 
 // Weight rows [n0, n1) against activation rows [r0, r0 + R): C-row tiles, then single rows for the rest.
@@ -160,28 +166,85 @@ void run(const Args& a, int threads) {
   }
 }
 
+constexpr int kFormats = 3;
+constexpr int64_t kBlockBytes[kFormats] = {Format<0>::kBytes, Format<1>::kBytes, Format<2>::kBytes};
+
+// y[rows, n] (+)= x[rows, k] W^T, x's rows ldx apart and y's ldy; false for a format or sizes it does not take.
+inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                       float* y, int64_t ldy, bool accumulate, int threads) {
+  if (format < 0 || format >= kFormats || rows < 0 || k <= 0 || k % kQBlock != 0 || n <= 0 || k > INT32_MAX / 4 ||
+      n > INT32_MAX)
+    return false;
+  const Args a{x, rows, static_cast<int>(k), ldx, w, k / kQBlock * kBlockBytes[format], static_cast<int>(n), y, ldy,
+               accumulate};
+  threads = std::max(1, threads);
+  if (format == 0) run<0>(a, threads);
+  if (format == 1) run<1>(a, threads);
+  if (format == 2) run<2>(a, threads);
+  return true;
+}
+
 }  // namespace pagedkv_quant
 }  // namespace
 
 extern "C" {
 
-// y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), rows of W row_bytes
-// apart (k / 32 blocks each), x and y contiguous. Returns 0, 1 for sizes it does not take, 2 for an unknown format.
+// y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), k / 32 blocks a row of
+// W, x and y contiguous. Returns 0, or 1 for a format or sizes it does not take.
 int pagedkv_cpu_quant_linear(int format, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                              float* y, int threads) {
-  using namespace pagedkv_quant;
-  if (rows < 0 || k <= 0 || k % kQBlock != 0 || n <= 0 || k > INT32_MAX / 4 || n > INT32_MAX) return 1;
-  const int64_t blocks = k / kQBlock;
+  return pagedkv_quant::quant_rows(format, x, k, rows, k, w, n, y, n, false, threads) ? 0 : 1;
+}
+
+// pagedkv_cpu_llama_attention_inputs (attention.cpp) on GGUF-block weights: formats[i] / weights[i] are Wq, Wk, Wv;
+// qkv [rows, nq + 2 nkv] with q and k rotated; xn [min(rows, kRowChunk), d] scratch.
+int pagedkv_cpu_quant_llama_attention_inputs(const float* h, int64_t rows, int64_t d, const float* norm_weight,
+                                             float eps, const int* formats, const uint8_t* const* weights, int64_t nq,
+                                             int64_t nkv, int64_t head_dim, const float* cos, const float* sin,
+                                             float* xn, float* qkv, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || nkv <= 0 || head_dim <= 0 || head_dim % 2 != 0 || nq % head_dim != 0 ||
+      nkv % head_dim != 0 || d > INT32_MAX / 4 || nq + 2 * nkv > INT32_MAX)
+    return 1;
   threads = std::max(1, threads);
-  switch (format) {
-    case 0: return run<0>({x, rows, static_cast<int>(k), w, blocks * Format<0>::kBytes, static_cast<int>(n), y},
-                          threads), 0;
-    case 1: return run<1>({x, rows, static_cast<int>(k), w, blocks * Format<1>::kBytes, static_cast<int>(n), y},
-                          threads), 0;
-    case 2: return run<2>({x, rows, static_cast<int>(k), w, blocks * Format<2>::kBytes, static_cast<int>(n), y},
-                          threads), 0;
-    default: return 2;
+  const int64_t width = nq + 2 * nkv, offsets[3] = {0, nq, nq + nkv}, outs[3] = {nq, nkv, nkv};
+  const int dim = static_cast<int>(head_dim), rotated = static_cast<int>((nq + nkv) / head_dim);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
+    float* out = qkv + r0 * width;
+    rms_norm_rows(h + r0 * d, n, static_cast<int>(d), norm_weight, eps, xn, threads);
+    for (int i = 0; i < 3; ++i)
+      if (!pagedkv_quant::quant_rows(formats[i], xn, d, n, d, weights[i], outs[i], out + offsets[i], width, false,
+                                     threads))
+        return 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelRows)
+    for (int64_t t = 0; t < n; ++t)
+      rotate_heads(out + t * width, rotated, dim, cos + (r0 + t) * dim, sin + (r0 + t) * dim);
   }
+  return 0;
+}
+
+// pagedkv_cpu_llama_mlp (attention.cpp) on GGUF-block weights: formats[i] / weights[i] are Wo, Wg, Wu, Wd; h is
+// updated in place; xn [min(rows, kRowChunk), d] and gu [min(rows, kRowChunk), 2 inter] are scratch.
+int pagedkv_cpu_quant_llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, int64_t nq,
+                                const float* norm_weight, float eps, int64_t inter, const int* formats,
+                                const uint8_t* const* weights, float* xn, float* gu, int threads) {
+  if (rows < 0 || d <= 0 || nq <= 0 || inter <= 0 || d > INT32_MAX / 4 || nq > INT32_MAX / 4 ||
+      inter > INT32_MAX / 4)
+    return 1;
+  threads = std::max(1, threads);
+  using pagedkv_quant::quant_rows;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {  // a chunk's activations stay in cache, as in llama_block.h
+    const int64_t n = std::min<int64_t>(kRowChunk, rows - r0);
+    float* hc = h + r0 * d;
+    if (!quant_rows(formats[0], attn + r0 * nq, nq, n, nq, weights[0], d, hc, d, true, threads)) return 1;
+    rms_norm_rows(hc, n, static_cast<int>(d), norm_weight, eps, xn, threads);
+    if (!quant_rows(formats[1], xn, d, n, d, weights[1], inter, gu, 2 * inter, false, threads) ||
+        !quant_rows(formats[2], xn, d, n, d, weights[2], inter, gu + inter, 2 * inter, false, threads))
+      return 1;
+    silu_mul_rows(gu, n, static_cast<int>(inter), threads);
+    if (!quant_rows(formats[3], gu, 2 * inter, n, inter, weights[3], d, hc, d, true, threads)) return 1;
+  }
+  return 0;
 }
 
 }  // extern "C"

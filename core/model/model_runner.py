@@ -21,7 +21,7 @@ from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, registe
 from pagedkv.core.model.llama_model import HasLlamaLayerKernel
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_support import check_model_support
-from pagedkv.core.model.quant_linear import HasQuantKernel, has_quantized, quantized_linears
+from pagedkv.core.model.quant_linear import HasQuantKernel, HasQuantLayerKernel, has_quantized, quantized_linears
 from pagedkv.core.sample.logprobs import prompt_logprob_span
 from pagedkv.core.sched.scheduler_output import SchedulerOutput
 from pagedkv.core.startup_phases import phase
@@ -67,8 +67,10 @@ class ModelRunner:
         # pagedkv's own Llama on the CPU: the layers' dense parts fused by the backend, where it offers that (it
         # packs the same weights as the linears, so not when those copies would not fit in memory)
         self.layer_kernel = (backend.llama_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
-                             and isinstance(backend, HasLlamaLayerKernel) and not has_quantized(model)
-                             and packed_copies_fit(model) else None)
+                             and isinstance(backend, HasLlamaLayerKernel) and packed_copies_fit(model) else None)
+        if has_quantized(model):  # weights in GGUF blocks: the backend's layer for those, or none
+            self.layer_kernel = (backend.quant_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
+                                 and isinstance(backend, HasQuantLayerKernel) else None)
         # weights kept in GGUF blocks (quantization gguf): multiplied by the backend's kernel where it has one
         self.quant_kernel = backend.quant_kernel if isinstance(backend, HasQuantKernel) else None
         with phase("linear layers set to pack at first use"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -39,6 +39,14 @@ class HasQuantKernel(Protocol):
     """An attention backend that also offers the quantized linear (None when it has none for this machine)."""
 
     quant_kernel: QuantKernel | None
+
+
+@runtime_checkable
+class HasQuantLayerKernel(Protocol):
+    """An attention backend with a fused Llama layer for layers whose linears are :class:`QuantLinear` (a
+    :class:`~pagedkv.core.model.llama_model.LlamaLayerKernel`; None when it has none for this machine)."""
+
+    quant_layer_kernel: Any
 
 
 _ACTIVE: ContextVar[QuantKernel | None] = ContextVar("pagedkv_quant_kernel", default=None)
