@@ -9,8 +9,8 @@
 // multiply-add; Q4_0's m is -8 d, Q8_0's is 0) and used at once by every activation row of the tile.
 //
 // Tile: R activation rows x C weight rows, R x C accumulator vectors (one per output, reduced across lanes at
-// the end), C de-quantized weight vectors and one activation vector in registers (AVX-512, 32 registers: R <= 6,
-// C = 8 for 1-2 rows, 4 for more; AVX2, 16 registers: R <= 4, C = 4 or 2). Threads take equal contiguous ranges of
+// the end), one de-quantized weight vector with its scale and offset, and one activation vector in registers
+// (AVX-512, 32 registers: R <= 6, C = 8 for 1-2 rows, 4 for more; AVX2, 16 registers: R <= 4, C = 4 or 2). Threads take equal contiguous ranges of
 // kQColBlock weight rows; within a range, each block of kQColBlock weight rows (16 rows of Q4_1 at k = 1536 are
 // 15 KB: L1) is used by every row tile of x before the next is read, so memory streams each weight byte once.
 // Sums are fp32 fused multiply-adds in k order per lane, so results differ from a float64 product of the
@@ -30,8 +30,25 @@ constexpr int qcols(int rows) {                      // weight rows of a tile of
 }
 static_assert(kQBlock % kLanes == 0 && kLanes <= 16, "a chunk lies in one half of a nibble block");
 
-typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
-typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
+// kLanes nibbles of the bytes at p (the high ones or the low ones) widened to floats: one load, a shift and a mask
+// of bytes, one zero-extension and one int->float conversion a vector on AVX2 / AVX-512. (GCC's generic vector
+// code moves byte vectors through general registers lane by lane: 20x slower, measured.) Signed bytes (Q8_0) go
+// through simd.h's load_row<int8_t>.
+inline vfloat widen_nibbles(const uint8_t* p, bool high) {
+#if defined(__AVX512F__) && !defined(PAGEDKV_AVX512_SHAPE)
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
+  return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+#elif defined(__AVX2__) && !defined(PAGEDKV_AVX512_SHAPE)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
+  return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+#else
+  vfloat f;
+  for (int l = 0; l < kLanes; ++l) f[l] = static_cast<float>(high ? p[l] >> 4 : p[l] & 15);
+  return f;
+#endif
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -60,9 +77,7 @@ struct Format<0> {  // Q8_0: d, 32 int8
   static constexpr int kBytes = 34;
   static void scales(const uint8_t* b, float& d, float& m) { d = half_to_float(b), m = 0.0f; }
   static vfloat chunk(const uint8_t* b, int j, float d, float) {
-    vsbytes q;
-    std::memcpy(&q, b + 2 + j * kLanes, sizeof(q));
-    return __builtin_convertvector(__builtin_convertvector(q, vint), vfloat) * d;
+    return load_row<int8_t>(reinterpret_cast<const int8_t*>(b + 2 + j * kLanes)) * d;
   }
 };
 
@@ -70,10 +85,7 @@ struct Format<0> {  // Q8_0: d, 32 int8
 template <int kOffset>
 inline vfloat nibbles(const uint8_t* b, int j, float d, float m) {
   const int e0 = j * kLanes;
-  vbytes q;
-  std::memcpy(&q, b + kOffset + (e0 & 15), sizeof(q));
-  q = e0 >= 16 ? q >> 4 : q & 15;
-  return __builtin_convertvector(__builtin_convertvector(q, vint), vfloat) * d + m;
+  return widen_nibbles(b + kOffset + (e0 & 15), e0 >= 16) * d + m;
 }
 
 template <>
@@ -112,18 +124,15 @@ inline void tile(const Args& a, int64_t r0, int n0) {
   const float* x = a.x + r0 * a.ldx;
   const uint8_t* w = a.w + n0 * a.row_bytes;
   for (int b = 0; b < a.k / kQBlock; ++b) {
-    const uint8_t* blk[C];
-    float d[C], m[C];
+    // column by column: one weight vector, its scale and offset live at a time (holding all C would spill the
+    // accumulators); the activation vectors are reloaded from L1 for each column
     for (int c = 0; c < C; ++c) {
-      blk[c] = w + c * a.row_bytes + b * Format<F>::kBytes;
-      Format<F>::scales(blk[c], d[c], m[c]);
-    }
-    for (int j = 0; j < kQChunks; ++j) {
-      vfloat wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = Format<F>::chunk(blk[c], j, d[c], m[c]);
-      for (int r = 0; r < R; ++r) {
-        const vfloat xv = load(x + r * a.ldx + b * kQBlock + j * kLanes);
-        for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+      const uint8_t* blk = w + c * a.row_bytes + b * Format<F>::kBytes;
+      float d, m;
+      Format<F>::scales(blk, d, m);
+      for (int j = 0; j < kQChunks; ++j) {
+        const vfloat wv = Format<F>::chunk(blk, j, d, m);
+        for (int r = 0; r < R; ++r) acc[r][c] += load(x + r * a.ldx + b * kQBlock + j * kLanes) * wv;
       }
     }
   }
