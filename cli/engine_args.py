@@ -102,6 +102,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
     a("--model-impl", default="auto", choices=["auto", "pagedkv", "vllm", "transformers"],
       help="model code: auto (pagedkv's own Llama where it computes exactly what transformers does, else "
       "transformers), pagedkv (alias vllm), or transformers (default: %(default)s)")
+    a("--quantization", "-q", default=None, metavar="METHOD",
+      help="gguf: run a .gguf file's Q8_0/Q4_0/Q4_1 weights as their blocks (default: none, a GGUF file is "
+      "de-quantized to float32; any other method is refused)%(default).0s")
     a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy "
       "(default: %(default)s)")
     a("--allocator", default="paged", help="block allocator: paged, or static (baseline) (default: %(default)s)")
@@ -185,6 +188,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         options.setdefault(plugin, {})[key] = value
     return EngineConfig(
         model=args.model, revision=args.revision, model_impl=args.model_impl, backend=args.backend,
+        quantization=args.quantization,
         allocator=args.allocator,
         scheduler=args.scheduler or args.scheduling_policy or "fcfs", block_size=args.block_size,
         priority_aging_steps=args.priority_aging_steps,

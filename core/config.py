@@ -108,6 +108,21 @@ def parse_model_impl(value: str | None) -> str:
     return name
 
 
+QUANTIZATIONS = ("gguf",)
+
+
+def parse_quantization(value: str | None) -> str | None:
+    """``quantization`` (vLLM's flag) as None (the checkpoint's weights, a GGUF file de-quantized to float32) or one
+    of :data:`QUANTIZATIONS`; any other method is refused by name, never ignored."""
+    if value in (None, "", "none", "None"):
+        return None
+    name = str(value).lower()
+    if name not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {value!r} is not implemented; pagedkv runs: gguf (a GGUF file's Q8_0, "
+                          "Q4_0 and Q4_1 weights kept as their blocks)")
+    return name
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know, checked once here.
@@ -121,6 +136,7 @@ class EngineConfig:
     revision: str | None = None  # of a hub id in the local Hugging Face cache
     model_impl: str = "auto"  # auto (pagedkv's Llama where it is exact, else transformers), pagedkv, transformers
     backend: str = "auto"  # "cpu" on CPU, else "torch" (resolved by the Engine)
+    quantization: str | None = None  # None, or "gguf": a GGUF file's quantized weights kept as blocks
     allocator: str = "paged"
     scheduler: str = "fcfs"
     priority_aging_steps: int = 100  # priority scheduler: steps of waiting worth one priority level (0: none)
@@ -203,6 +219,10 @@ class EngineConfig:
         self.model_impl = parse_model_impl(self.model_impl)
         if self.model_impl == "pagedkv" and self.tensor_parallel_size > 1:
             raise ConfigError("model_impl pagedkv runs on one device; tensor parallelism uses transformers' model")
+        self.quantization = parse_quantization(self.quantization)
+        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.model_impl == "transformers"):
+            raise ConfigError(f"quantization {self.quantization} runs pagedkv's own Llama on one device (not "
+                              "tensor parallel, not model_impl transformers)")
         if not self.backend or not isinstance(self.backend, str):
             raise ConfigError("backend must be a name such as 'torch', 'triton' or 'cupy'")
         self._check_grammar_limits()

@@ -72,7 +72,7 @@ def _auto_dtype(config: EngineConfig, model: torch.nn.Module | None, runner: Run
     else:
         from pagedkv.core.model.model_loader import checkpoint_dtype
 
-        checkpoint = checkpoint_dtype(config.model, config.revision)
+        checkpoint = checkpoint_dtype(config.model, config.revision, config.quantization)
     return resolve_auto_dtype(checkpoint, config.device)
 
 

@@ -644,3 +644,4 @@ int pagedkv_cpu_llama_scratch_rows() { return kRowChunk; }
 }  // extern "C"
 
 #include "decode_int8.h"  // the int8-cache decode kernel (--kv-cache-dtype int8), on its own
+#include "quant_linear.h"  // the linear on GGUF-block weights (quantization gguf), on its own

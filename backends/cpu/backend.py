@@ -10,6 +10,10 @@ from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.linear import CpuLinearKernel, usable
 from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
 from pagedkv.backends.cpu.llama_layers import usable as layers_usable
+from pagedkv.backends.cpu.quant_layers import CpuQuantLlamaLayers
+from pagedkv.backends.cpu.quant_layers import usable as quant_layers_usable
+from pagedkv.backends.cpu.quant_linear import CpuQuantKernel
+from pagedkv.backends.cpu.quant_linear import usable as quant_usable
 from pagedkv.backends.cpu.route_table import KERNEL, TORCH, Routes
 from pagedkv.backends.cpu.torch_prefill import attend_prefills
 from pagedkv.backends.torch_ref import TorchBackend
@@ -40,6 +44,9 @@ class CpuBackend(TorchBackend):
         # pagedkv's own Llama: its layers' dense parts (pagedkv.core.model.llama_model.HasLlamaLayerKernel)
         self.llama_layer_kernel = (CpuLlamaLayers(self.lib, self.linear_kernel)
                                    if self.linear_kernel is not None and layers_usable(self.lib) else None)
+        # weights kept in GGUF blocks (pagedkv.core.model.quant_linear.HasQuantKernel)
+        self.quant_kernel = CpuQuantKernel(self.lib) if quant_usable(self.lib) else None
+        self.quant_layer_kernel = CpuQuantLlamaLayers(self.lib) if quant_layers_usable(self.lib) else None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ log = logging.getLogger("pagedkv")
 
 SOURCE = Path(__file__).resolve().parent / "attention.cpp"
 # included by SOURCE: part of the cache key
-HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h", "llama_block.h")
+HEADERS = ("simd.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h", "llama_block.h", "quant_linear.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})
@@ -215,6 +215,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "pagedkv_cpu_llama_scratch_rows"):  # (absent from libraries whose layer calls take all rows)
         lib.pagedkv_cpu_llama_scratch_rows.argtypes = []
         lib.pagedkv_cpu_llama_scratch_rows.restype = i32
+    if hasattr(lib, "pagedkv_cpu_quant_linear"):  # (absent from libraries built before quantization gguf)
+        lib.pagedkv_cpu_quant_linear.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+        lib.pagedkv_cpu_quant_linear.restype = i32
+        lib.pagedkv_cpu_quant_llama_attention_inputs.argtypes = [p, i64, i64, p, f32, p, p, i64, i64, i64, p, p, p, p,
+                                                                 i32]
+        lib.pagedkv_cpu_quant_llama_attention_inputs.restype = i32
+        lib.pagedkv_cpu_quant_llama_mlp.argtypes = [p, i64, i64, p, i64, p, f32, i64, p, p, p, p, i32]
+        lib.pagedkv_cpu_quant_llama_mlp.restype = i32
     return lib
 
 

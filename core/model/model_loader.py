@@ -52,12 +52,16 @@ def default_gguf() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
+def resolve_model_dir(model: str | None, revision: str | None = None, quantization: str | None = None) -> Path:
     """A directory with ``config.json`` and safetensors for ``model`` (converting GGUF if needed).
 
     ``model`` is a local directory, a ``.gguf`` file, a hub id already in the local Hugging Face
-    cache (``org/name``, at ``revision``), or None for the default model.
+    cache (``org/name``, at ``revision``), or None for the default model. With ``quantization="gguf"``
+    a GGUF file is not converted: the directory holds its config, tokenizer and a link to the file
+    (:mod:`pagedkv.core.model.gguf_loader`).
     """
+    if quantization == "gguf":
+        return _gguf_dir(model, revision)
     if model in (None, "", DEFAULT_MODEL) or (model == f"HuggingFaceTB/{DEFAULT_MODEL}" and revision is None):
         return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
     if looks_like_hub_id(model):
@@ -78,6 +82,21 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
         f"model {model!r} is neither a local model directory (with config.json), a .gguf file, nor a hub id "
         "(org/name) in the local Hugging Face cache; pagedkv never downloads from a hub"
     )
+
+
+def _gguf_dir(model: str | None, revision: str | None) -> Path:
+    from pagedkv.core.model.gguf_loader import GGUF_LINK, gguf_sidecar
+
+    if model in (None, "", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}") and revision is None:
+        path, name = default_gguf(), DEFAULT_MODEL
+    else:
+        path, name = Path(str(model)).expanduser(), None
+        if revision is None and (path / "config.json").is_file() and (path / GGUF_LINK).is_file():
+            return path  # a GGUF model directory: its config, tokenizer and model.gguf side by side
+        if revision is not None or not (path.is_file() and path.suffix == ".gguf"):
+            raise ConfigError(f"quantization gguf runs a .gguf file, a directory with config.json and {GGUF_LINK}, "
+                              f"or the default model; not {model!r}")
+    return gguf_sidecar(path, cache_dir() / "models" / f"{name or path.stem}-{conversion_key(path)}-gguf")
 
 
 def conversion_key(gguf_path: Path, sample: int = 1 << 20) -> str:
@@ -139,11 +158,11 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     return target
 
 
-def checkpoint_dtype(model: str | None, revision: str | None = None) -> str | None:
+def checkpoint_dtype(model: str | None, revision: str | None = None, quantization: str | None = None) -> str | None:
     """The dtype a model's ``config.json`` names (``torch_dtype`` / ``dtype``), or None (for ``--dtype auto``)."""
     import json
 
-    path = resolve_model_dir(model, revision)
+    path = resolve_model_dir(model, revision, quantization)
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -154,15 +173,19 @@ def checkpoint_dtype(model: str | None, revision: str | None = None) -> str | No
 
 def load_model(
     model: str | None, dtype: torch.dtype, device: str, revision: str | None = None, model_impl: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[Any, Any, Path]:
     """Load (model, tokenizer, directory), in eval mode on ``device``.
 
     ``model_impl``: ``auto`` takes pagedkv's own Llama when the checkpoint is one it implements exactly
     (:mod:`pagedkv.core.model.native_config`) and transformers otherwise; ``pagedkv`` insists on ours
-    (an error naming why it cannot); ``transformers`` always takes transformers'.
+    (an error naming why it cannot); ``transformers`` always takes transformers'. ``quantization="gguf"``:
+    a GGUF file's quantized weights kept as their blocks (pagedkv's Llama only).
     """
     with phase("model resolved"):
-        path = resolve_model_dir(model, revision)
+        path = resolve_model_dir(model, revision, quantization)
+    if quantization == "gguf":
+        return _load_gguf(path, dtype, device, model_impl)
     hf_model = tokenizer = None
     if model_impl != "transformers":
         from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
@@ -198,10 +221,27 @@ def load_model(
     return hf_model, tokenizer, path
 
 
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, model_impl: str) -> tuple[Any, Any, Path]:
+    from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
+    from pagedkv.core.model.gguf_loader import gguf_problem, load_gguf_llama
+
+    if model_impl == "transformers" or (reason := gguf_problem(path)) is not None:
+        why = "--model-impl transformers" if model_impl == "transformers" else reason
+        raise ConfigError(f"quantization gguf runs pagedkv's own Llama, which cannot run this model: {why}")
+    with phase("weights loaded (GGUF blocks)"):
+        model = load_gguf_llama(path, dtype, device)
+    if fast_tokenizer_problem(path) is None:
+        return model, FastTokenizer(path), path
+    from transformers import AutoTokenizer
+
+    return model, AutoTokenizer.from_pretrained(path), path
+
+
 def prepare_model(config: Any, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
     """``config.model`` loaded offline, or the given model moved to the configured device and dtype."""
     if model is None:
         impl = config.model_impl if config.tensor_parallel_size <= 1 else "transformers"  # TP shards HF's modules
-        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision, impl)
+        model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.revision, impl,
+                                         config.quantization)
         return model, tokenizer
     return model.to(device=config.device, dtype=config.dtype).eval(), tokenizer

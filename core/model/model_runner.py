@@ -21,6 +21,7 @@ from pagedkv.core.model.hf_attention import ATTENTION_NAME, StepContext, registe
 from pagedkv.core.model.llama_model import HasLlamaLayerKernel
 from pagedkv.core.model.llama_model import LlamaForCausalLM as NativeLlama
 from pagedkv.core.model.model_support import check_model_support
+from pagedkv.core.model.quant_linear import HasQuantKernel, HasQuantLayerKernel, has_quantized, quantized_linears
 from pagedkv.core.sample.logprobs import prompt_logprob_span
 from pagedkv.core.sched.scheduler_output import SchedulerOutput
 from pagedkv.core.startup_phases import phase
@@ -67,6 +68,11 @@ class ModelRunner:
         # packs the same weights as the linears, so not when those copies would not fit in memory)
         self.layer_kernel = (backend.llama_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
                              and isinstance(backend, HasLlamaLayerKernel) and packed_copies_fit(model) else None)
+        if has_quantized(model):  # weights in GGUF blocks: the backend's layer for those, or none
+            self.layer_kernel = (backend.quant_layer_kernel if device == "cpu" and isinstance(model, NativeLlama)
+                                 and isinstance(backend, HasQuantLayerKernel) else None)
+        # weights kept in GGUF blocks (quantization gguf): multiplied by the backend's kernel where it has one
+        self.quant_kernel = backend.quant_kernel if isinstance(backend, HasQuantKernel) else None
         with phase("linear layers set to pack at first use"):
             self.packed_linears = device == "cpu" and pack_linears(model, self.linear_kernel) > 0
         # the other end of swap copies: host tensors of the swap space (pagedkv.core.kv.swap_space), if any
@@ -123,7 +129,7 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, pairs)
         meta = self.build_metadata(batch)
         step = StepContext(meta=meta, backend=self.backend, kv_caches=self.kv_caches, layer_kernel=self.layer_kernel)
-        with packed_linears(self.packed_linears, self.linear_kernel):
+        with packed_linears(self.packed_linears, self.linear_kernel), quantized_linears(self.quant_kernel):
             result = self.model(
                 input_ids=torch.tensor([batch.input_ids], dtype=torch.long, device=self.device),
                 position_ids=torch.tensor([batch.positions], dtype=torch.long, device=self.device),

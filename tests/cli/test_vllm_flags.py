@@ -58,6 +58,9 @@ FLAGS = [
     (["serve", "--plugin-option", "telemetry.keyframe_steps=10", "--plugin-option", "telemetry.name=x"],
      "config.plugin_options", {"telemetry": {"keyframe_steps": 10, "name": "x"}}),
     (["serve", "--metrics-prefix", "vllm"], "args.metrics_prefix", "vllm"),
+    (["serve", "--quantization", "gguf"], "config.quantization", "gguf"),
+    (["run", "-q", "GGUF"], "config.quantization", "gguf"),
+    (["run"], "config.quantization", None),
     (["serve", "--enable-prompt-tokens-details"], "args.enable_prompt_tokens_details", True),
     (["serve"], "args.structured_outputs_allow_additional_properties", False),
     (["serve", "--structured-outputs-allow-additional-properties"],
@@ -88,6 +91,8 @@ def test_bad_flags_are_one_clear_argparse_error(argv, message, capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "a/b", "--model", "c/d"], "given twice"),
     (["serve", "--scheduler", "spf", "--scheduling-policy", "priority"], "disagree"),
+    (["serve", "--quantization", "awq"], "quantization 'awq' is not implemented"),
+    (["run", "--quantization", "gguf", "--model-impl", "transformers"], "runs pagedkv's own Llama"),
 ])
 def test_contradictions_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,44 @@
+"""The cpu backend's linear on GGUF-block weights (``quant_linear.h``), offered to the model runner as its
+:class:`~pagedkv.core.model.quant_linear.QuantKernel` (``quantization gguf``): the blocks are used as the file holds
+them, de-quantized in registers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.model.quant_formats import FORMATS, row_bytes
+
+
+class CpuQuantKernel:
+    """``y = x W^T`` by the compiled kernel, for fp32 CPU ``x`` and ``W`` in Q8_0 / Q4_0 / Q4_1 blocks."""
+
+    def __init__(self, lib: Any) -> None:  # a ctypes library from build.load
+        self.lib = lib
+
+    def supports(self, qtype: str) -> bool:
+        return qtype in FORMATS
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+        in_features = x.shape[-1]
+        rows = x.numel() // in_features if in_features else 0
+        if tuple(blocks.shape) != (out_features, row_bytes(qtype, in_features)) or not blocks.is_contiguous():
+            raise ValueError(f"{qtype} blocks {list(blocks.shape)} do not hold a contiguous {out_features} x "
+                             f"{in_features} weight")
+        flat = x.reshape(rows, in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+        rc = self.lib.pagedkv_cpu_quant_linear(FORMATS[qtype].code, flat.data_ptr(), rows, in_features,
+                                               blocks.data_ptr(), out_features, out.data_ptr(),
+                                               torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the cpu quantized linear rejected {rows} x {in_features} -> {out_features} "
+                             f"{qtype} (code {rc})")
+        return out
+
+
+def usable(lib: Any) -> bool:
+    """Whether ``lib`` has the quantized linear (a library built from an older source may not)."""
+    return hasattr(lib, "pagedkv_cpu_quant_linear")

@@ -1,0 +1,152 @@
+"""The default model's Q4_1 GGUF run as Q4_1 blocks (``--quantization gguf``) against its fp32 de-quantization: the
+same weights, so the two should agree almost exactly; and what the blocks save in memory and time.
+
+On prompts cut from a fixed local text (``data/kv_quant_text.txt``), ``cpu`` backend (the blocks through
+``quant_linear.h``, the fp32 weights through the packed kernels):
+
+- teacher-forced greedy agreement: the fp32 model's greedy continuation of each prompt is fed to both in one
+  packed forward, and the share of positions where the blocks' argmax equals the fp32 argmax;
+- perplexity of the whole text (windows of ``--window`` tokens) under both, and its change;
+- resident weight bytes of the blocks' model (each storage once) against the GGUF file's size;
+- batch-1 greedy decode tokens per second, the two engines alternated round by round (median of ``--rounds``).
+
+Usage (small enough for a shared 2-core machine):
+
+    .venv/bin/python benchmarks/e2e/gguf_quant_accuracy.py --prompts 16 --tokens 64 --threads 1 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
+
+from bench_common import DATA  # noqa: E402
+
+from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pagedkv.backends.cpu.backend import CpuBackend  # noqa: E402
+from pagedkv.core.kv.kv_cache import KVCacheSpec  # noqa: E402
+from pagedkv.core.model.model_loader import default_gguf, load_model  # noqa: E402
+from pagedkv.core.model.model_runner import ModelRunner, StepBatch  # noqa: E402
+from pagedkv.core.model.quant_linear import weight_bytes  # noqa: E402
+
+TEXT = DATA / "kv_quant_text.txt"
+BLOCK = 16
+
+
+def forward_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """float32 logits at every position of each sequence: one packed prefill, ``cpu`` backend."""
+    spec = KVCacheSpec.from_model_config(model.config, BLOCK, torch.float32)
+    tables, start = [], 0
+    for seq in sequences:
+        n = -(-len(seq) // BLOCK)
+        tables.append(list(range(start, start + n)))
+        start += n
+    runner = ModelRunner(model, CpuBackend(), spec, start, "cpu")
+    ids = [t for seq in sequences for t in seq]
+    batch = StepBatch(ids, [p for seq in sequences for p in range(len(seq))], list(range(len(ids))), tables,
+                      [0] * len(sequences), [len(s) for s in sequences], [], [], [])
+    logits = runner.run(batch)
+    bounds = [0, *itertools.accumulate(len(s) for s in sequences)]
+    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def engine_for(model: Any, tokenizer: Any) -> Engine:
+    return Engine(EngineConfig(device="cpu", backend="cpu", block_size=BLOCK, kv_cache_memory="128MiB"),
+                  model=model, tokenizer=tokenizer)
+
+
+def generate(engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step(stream=False) if o.finished})
+    assert engine.pool.num_available == engine.num_blocks
+    return [done[i] for i in ids]
+
+
+def perplexity(model: Any, text_ids: list[int], window: int) -> float:
+    windows = [w for w in (text_ids[i : i + window] for i in range(0, len(text_ids) - 1, window)) if len(w) > 1]
+    nll, count = 0.0, 0
+    for lo in range(0, len(windows), 4):
+        for w, logits in zip(windows[lo : lo + 4], forward_logits(model, windows[lo : lo + 4])):
+            logp = torch.log_softmax(logits[:-1].double(), -1)
+            nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
+            count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def agreement(quant: Any, fp32: Any, prompts: list[list[int]], forced: list[list[int]], tokens: int) -> float:
+    agree = 0
+    for lo in range(0, len(prompts), 4):
+        seqs = [p + o for p, o in zip(prompts[lo : lo + 4], forced[lo : lo + 4])]
+        for p, a, b in zip(prompts[lo : lo + 4], forward_logits(quant, seqs), forward_logits(fp32, seqs)):
+            span = slice(len(p) - 1, len(p) - 1 + tokens)
+            agree += (a[span].argmax(-1) == b[span].argmax(-1)).sum().item()
+    return agree / (tokens * len(prompts))
+
+
+def decode_speed(engines: dict[str, Engine], prompt: list[int], tokens: int, rounds: int) -> dict[str, float]:
+    """Batch-1 greedy decode tok/s per engine, alternated round by round; medians."""
+    seen: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            generate(engine, [prompt], 4)  # warm: packs, caches
+            started = time.perf_counter()
+            generate(engine, [prompt], tokens)
+            seen[name].append(tokens / (time.perf_counter() - started))
+    return {name: statistics.median(v) for name, v in seen.items()}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    quant, tokenizer, _ = load_model(None, torch.float32, "cpu", quantization="gguf")
+    fp32, _, _ = load_model(None, torch.float32, "cpu")
+    text_ids = tokenizer.encode(TEXT.read_text())
+    stride = max(1, (len(text_ids) - args.prompt_len) // args.prompts)
+    prompts = [text_ids[i * stride : i * stride + args.prompt_len] for i in range(args.prompts)]
+    engines = {"q4_1": engine_for(quant, tokenizer), "fp32": engine_for(fp32, tokenizer)}
+    forced = generate(engines["fp32"], prompts, args.tokens)
+    ppl_q, ppl_f = perplexity(quant, text_ids, args.window), perplexity(fp32, text_ids, args.window)
+    speed = decode_speed(engines, prompts[0], args.decode_tokens, args.rounds)
+    return {
+        "prompts": args.prompts, "tokens": args.tokens, "text_tokens": len(text_ids), "window": args.window,
+        "threads": torch.get_num_threads(),
+        "teacher_forced_agreement": agreement(quant, fp32, prompts, forced, args.tokens),
+        "perplexity_q4_1": ppl_q, "perplexity_fp32": ppl_f, "perplexity_change": ppl_q / ppl_f - 1,
+        "weight_bytes_q4_1": weight_bytes(quant), "weight_bytes_fp32": weight_bytes(fp32),
+        "gguf_file_bytes": default_gguf().stat().st_size,
+        "resident_over_file": weight_bytes(quant) / default_gguf().stat().st_size,
+        "decode_tok_s": speed, "decode_speedup": speed["q4_1"] / speed["fp32"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(args)
+    print(json.dumps(result, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
