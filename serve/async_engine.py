@@ -279,7 +279,7 @@ class AsyncEngine:
             if stream is not None:
                 message = (f"the waiting queue is full ({self.max_waiting} sequences) and a request of a better "
                            "priority took this one's place; retry later")
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Evicted(message))
+                stream.loop.call_soon_threadsafe(stream.mailbox.end, Evicted(message))
             log.info("evicted waiting request %s for one of priority %d", request_id, priority)
 
     def _add(self, stream: _Stream, prompt: Any, params: SamplingParams, options: dict[str, Any]) -> bool:

@@ -20,7 +20,7 @@ def url():
         yield base
 
 
-def agent(url: str, output_type, sent: list[dict]):
+def agent(url: str, output_type, sent: list[dict], logit_bias: dict | None = COMMA_BIAS):
     """An agent whose HTTP client keeps each request body it sends in ``sent``."""
     import httpx2
     from pydantic_ai import Agent
@@ -33,12 +33,14 @@ def agent(url: str, output_type, sent: list[dict]):
     http = httpx2.AsyncClient(event_hooks={"request": [keep]}, timeout=120)
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=url + "/v1", api_key="unused", http_client=http))
     return Agent(model, output_type=output_type, retries=0,
-                 model_settings={"max_tokens": 120, "temperature": 0.0, "logit_bias": COMMA_BIAS})
+                 model_settings={"max_tokens": 120, "temperature": 0.0, "logit_bias": logit_bias or {}})
 
 
 def test_the_default_tool_output_returns_the_model(url):
     sent: list[dict] = []
-    result = agent(url, Trip, sent).run_sync("Plan a trip.")
+    # no comma bias here: in a required call list a comma starts another call, and a list cut off at max_tokens
+    # is content (only complete, valid calls are calls)
+    result = agent(url, Trip, sent, logit_bias=None).run_sync("Plan a trip.")
     assert isinstance(result.output, Trip)
     [body] = sent  # the tool the answer must call, required: the forced choice sets the grammar
     assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["final_result"]
