@@ -16,6 +16,7 @@ import re
 import socket
 import sys
 from importlib.metadata import version
+from typing import Any
 
 import pytest
 import tomllib
@@ -110,19 +111,26 @@ def test_h11_protocol_has_the_methods_the_guard_extends():
     assert params[:3] == ["config", "server_state", "app_state"], _h11_hook(f"takes {params}")
 
 
-def test_a_new_cycle_marks_a_complete_head_and_on_response_complete_follows_each_response():
-    """What the header deadline reads: ``cycle`` stays as it was until a request head is complete, is a new
-    object then, and the cycle calls ``on_response_complete`` when its response is sent."""
+def _connected_protocol() -> tuple[Any, _Transport]:
+    """A guarded uvicorn protocol over ``_app``, connected to a fake transport (call inside a running loop)."""
     import uvicorn
     from uvicorn.server import ServerState
 
+    protocol_class = guarded_protocol(header_timeout=30, send_timeout=30)
+    config = uvicorn.Config(_app, http=protocol_class, log_level="warning", lifespan="off")
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={},
+                              _loop=asyncio.get_running_loop())
+    transport = _Transport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def test_a_new_cycle_marks_a_complete_head_and_on_response_complete_follows_each_response():
+    """What the header deadline reads: ``cycle`` stays as it was until a request head is complete, is a new
+    object then, and the cycle calls ``on_response_complete`` when its response is sent."""
+
     async def exchange() -> None:
-        loop = asyncio.get_running_loop()
-        protocol_class = guarded_protocol(header_timeout=30, send_timeout=30)
-        config = uvicorn.Config(_app, http=protocol_class, log_level="warning", lifespan="off")
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
-        transport = _Transport()
-        protocol.connection_made(transport)
+        protocol, transport = _connected_protocol()
         assert hasattr(protocol, "cycle") and protocol.cycle is None, _h11_hook("has no cycle before a request")
         assert list(protocol.waiting.never_asked.values()) == [protocol], _h11_hook("was not armed at connect")
         protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n")
@@ -149,19 +157,12 @@ def test_an_eof_after_a_complete_request_keeps_the_transport_until_the_answer_is
     """What the half-close reads: ``conn`` is the h11 connection (``their_state`` DONE once a request is complete),
     and ``eof_received``'s answer decides whether asyncio closes the transport."""
     import h11
-    import uvicorn
-    from uvicorn.server import ServerState
 
     assert callable(getattr(__import__("uvicorn.protocols.http.h11_impl", fromlist=["H11Protocol"]).H11Protocol,
                             "eof_received", None)), _h11_hook("has no method eof_received")
 
     async def exchange() -> None:
-        loop = asyncio.get_running_loop()
-        protocol_class = guarded_protocol(header_timeout=30, send_timeout=30)
-        config = uvicorn.Config(_app, http=protocol_class, log_level="warning", lifespan="off")
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
-        transport = _Transport()
-        protocol.connection_made(transport)
+        protocol, transport = _connected_protocol()
         assert not protocol.eof_received(), "an EOF before any request must close the connection"
         protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert isinstance(getattr(protocol, "conn", None), h11.Connection), _h11_hook("has no h11 conn")
