@@ -11,7 +11,7 @@ import torch
 from engine_command import engine
 from tiny_checkpoint import save_tiny
 
-from pagedkv import Engine, EngineConfig
+from pagedkv import Engine, EngineConfig, SamplingParams
 from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.dtype_features import cpu_dtype_features, features_for_cpu_flags
 from pagedkv.backends.torch_ref import TorchBackend
@@ -126,3 +126,19 @@ def test_engine_run_resolves_auto_by_default(bf16_checkpoint):
     assert _run_dtype(bf16_checkpoint) == ("bfloat16" if fast else "float32")  # the cpu backend, this CPU
     assert _run_dtype(bf16_checkpoint, "--backend", "torch") == "float32"  # declares no fast bf16 path
     assert _run_dtype(bf16_checkpoint, "--dtype", "bfloat16", "--backend", "torch") == "bfloat16"
+
+
+def test_a_gguf_model_runs_fp32_activations_under_auto_even_where_bf16_is_fast(tmp_path):
+    pytest.importorskip("gguf")
+    from tiny_gguf import save_tiny_gguf
+
+    gguf_dir, _ = save_tiny_gguf(tmp_path, "Q8_0")
+    config = json.loads((gguf_dir / "config.json").read_text())
+    (gguf_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    eng = Engine(EngineConfig(model=str(gguf_dir), quantization="gguf", device="cpu", num_blocks=16, block_size=4,
+                              backend="featured", dtype="auto"), plugins=(_Registers(FAST),))
+    assert eng.config.dtype == F32
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step(stream=False)
+    assert rid and eng.pool.num_available == eng.num_blocks
