@@ -142,3 +142,37 @@ def test_a_gguf_model_runs_fp32_activations_under_auto_even_where_bf16_is_fast(t
     while eng.has_unfinished():
         eng.step(stream=False)
     assert rid and eng.pool.num_available == eng.num_blocks
+
+
+def test_engine_serve_resolves_auto_and_logs_why(bf16_checkpoint):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("engine")), "serve", "--model", str(bf16_checkpoint),
+                             "--port", str(port), "--device", "cpu", "--num-blocks", "64", "--block-size", "4",
+                             "--backend", "torch", "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "engine serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if "--dtype auto" in line]
+    assert len(lines) == 1 and "runs float32" in lines[0] and "bfloat16 checkpoint" in lines[0], stderr
