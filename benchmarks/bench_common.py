@@ -1,5 +1,6 @@
-"""What every benchmark shares: the paths, the SmolLM2 model, one timer for wrapped calls, interleaved
-medians, the machine's facts and how busy it was while we measured, and the end-to-end report.
+"""What every benchmark shares: the paths, the SmolLM2 model, the teacher-forced accuracy loop, one timer for
+wrapped calls, interleaved medians, the machine's facts and how busy it was while we measured, and the
+end-to-end report.
 
 Scripts in ``micro/``, ``e2e/``, ``serving/`` and ``gpu/`` find this module (and ``workload.py``,
 ``paged_case.py``) with one line at their top::
@@ -20,7 +21,7 @@ import statistics
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,80 @@ def load_hf_model(path: str | Path) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa")
     return model
+
+
+# --- accuracy: the engine's own forward, teacher-forced (kv_quant, gguf_quant and bf16 accuracy share it) ---------
+
+
+def packed_logits(model: Any, backend: Any, kv_dtype: Any, sequences: list[list[int]], block: int = 16) -> list[Any]:
+    """float32 logits at every position of each sequence: one packed prefill through ``backend`` on a paged cache
+    of ``kv_dtype`` (a torch dtype), so keys and values always come from the cache."""
+    import itertools
+
+    import torch
+
+    from pagedkv.core.kv.kv_cache import KVCacheSpec
+    from pagedkv.core.model.model_runner import ModelRunner, StepBatch
+
+    spec = KVCacheSpec.from_model_config(model.config, block, kv_dtype)
+    tables, start = [], 0
+    for seq in sequences:
+        n = -(-len(seq) // block)
+        tables.append(list(range(start, start + n)))
+        start += n
+    runner = ModelRunner(model, backend, spec, start, "cpu")
+    ids = [t for seq in sequences for t in seq]
+    batch = StepBatch(ids, [p for seq in sequences for p in range(len(seq))], list(range(len(ids))), tables,
+                      [0] * len(sequences), [len(s) for s in sequences], [], [], [])
+    logits = runner.run(batch).to(torch.float32)
+    bounds = [0, *itertools.accumulate(len(s) for s in sequences)]
+    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def text_prompts(text_ids: list[int], count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens cut at even strides from a text."""
+    stride = max(1, (len(text_ids) - length) // count)
+    return [text_ids[i * stride : i * stride + length] for i in range(count)]
+
+
+def greedy_outputs(engine: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation of exactly ``tokens`` tokens by ``engine``; every block back after."""
+    from pagedkv import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step(stream=False) if o.finished})
+    assert engine.pool.num_available == engine.num_blocks
+    return [done[i] for i in ids]
+
+
+def span_logits(logits_of: Callable[[list[list[int]]], list[Any]], prompts: list[list[int]],
+                continuations: list[list[int]], tokens: int, chunk: int = 4) -> Iterator[Any]:
+    """Teacher-forced logits of the rows predicting each continuation ``[tokens, vocab]``, ``chunk`` sequences per
+    forward pass (all positions' full-vocabulary logits at once would be gigabytes)."""
+    for lo in range(0, len(prompts), chunk):
+        forced = [p + o for p, o in zip(prompts[lo : lo + chunk], continuations[lo : lo + chunk])]
+        for p, logits in zip(prompts[lo : lo + chunk], logits_of(forced)):
+            yield logits[len(p) - 1 : len(p) - 1 + tokens]
+
+
+def perplexity(logits_of: Callable[[list[list[int]]], list[Any]], text_ids: list[int], window: int,
+               chunk: int = 4) -> float:
+    """Perplexity of the whole text in windows of ``window`` tokens, ``chunk`` windows per forward pass."""
+    import math
+
+    import torch
+
+    windows = [w for w in (text_ids[i : i + window] for i in range(0, len(text_ids) - 1, window)) if len(w) > 1]
+    nll, count = 0.0, 0
+    for lo in range(0, len(windows), chunk):
+        for w, logits in zip(windows[lo : lo + chunk], logits_of(windows[lo : lo + chunk])):
+            logp = torch.log_softmax(logits[:-1].double(), -1)
+            nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
+            count += len(w) - 1
+    return math.exp(nll / count)
 
 
 # --- timing ---------------------------------------------------------------------------------------------------

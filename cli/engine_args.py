@@ -132,7 +132,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
       "%(default).0s")
     a("--max-num-seqs", type=int, default=128, help="sequences in one step at most (default: %(default)s)")
     a("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most (default: %(default)s)")
-    a("--dtype", default="float32",
+    a("--dtype", default="auto",
       help="auto (the checkpoint's; float16 becomes bfloat16 on CPU), float32, bfloat16, float16 (CUDA) "
       "(default: %(default)s; vLLM's is auto)")
     a("--kv-cache-dtype", default="auto",

@@ -22,8 +22,8 @@ _DTYPES = {
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype | str:
-    """A torch dtype from its name; ``"auto"`` stays ``"auto"`` (the engine takes the checkpoint's, see
-    :func:`resolve_auto_dtype`)."""
+    """A torch dtype from its name; ``"auto"`` stays ``"auto"`` (the engine decides once its backend is built,
+    see :mod:`pagedkv.core.dtype_choice`)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if isinstance(value, torch.dtype):
@@ -34,17 +34,6 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype | str:
         return _DTYPES[str(value).lower()]
     except KeyError:
         raise ConfigError(f"unknown dtype {value!r}; use one of auto, float32, bfloat16, float16") from None
-
-
-def resolve_auto_dtype(checkpoint: torch.dtype | str | None, device: str) -> torch.dtype:
-    """``dtype="auto"``: the checkpoint's dtype (float32 when it names none); float16 becomes bfloat16 on CPU."""
-    if isinstance(checkpoint, str):
-        checkpoint = getattr(torch, checkpoint, None)
-    if not isinstance(checkpoint, torch.dtype) or checkpoint not in _DTYPES.values():
-        return torch.float32
-    if checkpoint == torch.float16 and str(device).startswith("cpu"):
-        return torch.bfloat16
-    return checkpoint
 
 
 KV_CACHE_DTYPES = {  # --kv-cache-dtype names; the 8-bit row format is core/kv/kv_dtype.py's

@@ -15,6 +15,7 @@ counter advanced (see :meth:`Engine.step`).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.config import EngineConfig, resolve_auto_dtype
+from pagedkv.core.config import EngineConfig
+from pagedkv.core.dtype_choice import choose_dtype, features_of
 from pagedkv.core.engine_checks import size_kv_cache, start_backend
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.events import EventLog
@@ -63,8 +65,12 @@ from pagedkv.core.startup_phases import phase
 from pagedkv.core.stats import RunStats, tokens_held
 from pagedkv.core.step_sampling import StepSampling, sampling_rows
 
+log = logging.getLogger("pagedkv")
 
-def _auto_dtype(config: EngineConfig, model: torch.nn.Module | None, runner: Runner | None) -> torch.dtype:
+
+def _auto_dtype(config: EngineConfig, model: torch.nn.Module | None, runner: Runner | None,
+                backend: object) -> torch.dtype:
+    """``--dtype auto`` decided from the checkpoint's dtype and the backend's features (one log line says why)."""
     if model is not None:
         checkpoint = getattr(model, "dtype", None)
     elif runner is not None:
@@ -73,7 +79,9 @@ def _auto_dtype(config: EngineConfig, model: torch.nn.Module | None, runner: Run
         from pagedkv.core.model.model_loader import checkpoint_dtype
 
         checkpoint = checkpoint_dtype(config.model, config.revision, config.quantization)
-    return resolve_auto_dtype(checkpoint, config.device)
+    choice = choose_dtype(checkpoint, config.device, features_of(backend), config.quantization)
+    log.info(choice.log_line())
+    return choice.dtype
 
 
 class Engine:
@@ -95,8 +103,6 @@ class Engine:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        if config.dtype == "auto":  # the checkpoint's (vLLM's default), before anything is sized or loaded
-            config.dtype = _auto_dtype(config, model, runner)
         with phase("plugins loaded"):
             self.pm = make_plugin_manager(plugins)
             configure_plugins(self.pm, config)  # (start-up hooks contain a failing plugin: see plugin_guard)
@@ -104,10 +110,13 @@ class Engine:
         self.backend = None
         from_config = model is None
         if runner is None:
-            from pagedkv.core.model.model_loader import prepare_model
-
             with phase(f"backend {config.backend!r} started"):
                 self.backend = start_backend(backend_entry, config)  # a backend that cannot run fails before loading
+        if config.dtype == "auto":  # vLLM's default: decided from the backend's features, before loading or sizing
+            config.dtype = _auto_dtype(config, model, runner, self.backend)
+        if runner is None:
+            from pagedkv.core.model.model_loader import prepare_model
+
             model, tokenizer = prepare_model(config, model, tokenizer)
         hf_config = runner.model_config if runner is not None else model.config
         self.model, self.tokenizer = model, tokenizer

@@ -7,6 +7,7 @@ import torch
 
 from pagedkv.backends.base import check_window
 from pagedkv.backends.cpu import build
+from pagedkv.backends.cpu.dtype_features import cpu_dtype_features
 from pagedkv.backends.cpu.linear import CpuLinearKernel, usable
 from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
 from pagedkv.backends.cpu.llama_layers import usable as layers_usable
@@ -17,6 +18,7 @@ from pagedkv.backends.cpu.quant_linear import usable as quant_usable
 from pagedkv.backends.cpu.route_table import KERNEL, TORCH, Routes
 from pagedkv.backends.cpu.torch_prefill import attend_prefills
 from pagedkv.backends.torch_ref import TorchBackend
+from pagedkv.core.dtype_choice import DtypeFeatures
 from pagedkv.core.kv.attention_metadata import AttentionMetadata
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -35,7 +37,8 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, lib=None, routes: Routes | None = None) -> None:  # noqa: ANN001 - a ctypes library
+    def __init__(self, lib=None, routes: Routes | None = None,  # noqa: ANN001 - a ctypes library
+                 dtype_features: DtypeFeatures | None = None) -> None:
         super().__init__("cpu")
         self.lib = lib if lib is not None else build.load()
         self.routes = routes if routes is not None else Routes()
@@ -47,6 +50,9 @@ class CpuBackend(TorchBackend):
         # weights kept in GGUF blocks (pagedkv.core.model.quant_linear.HasQuantKernel)
         self.quant_kernel = CpuQuantKernel(self.lib) if quant_usable(self.lib) else None
         self.quant_layer_kernel = CpuQuantLlamaLayers(self.lib) if quant_layers_usable(self.lib) else None
+        # for --dtype auto (pagedkv.core.dtype_choice.HasDtypeFeatures): by default the build's CPU features
+        bf16_kernel = self.linear_kernel is not None and torch.bfloat16 in self.linear_kernel.dtypes
+        self.dtype_features = dtype_features or cpu_dtype_features(getattr(self.lib, "isa", None), bf16_kernel)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -18,9 +18,7 @@ Usage (small enough for a shared 2-core machine):
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import statistics
 import sys
 import time
@@ -31,13 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
 
-from bench_common import DATA  # noqa: E402
+from bench_common import DATA, greedy_outputs, packed_logits, span_logits, text_prompts  # noqa: E402
+from bench_common import perplexity as text_perplexity  # noqa: E402
 
-from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pagedkv import Engine, EngineConfig  # noqa: E402
 from pagedkv.backends.cpu.backend import CpuBackend  # noqa: E402
-from pagedkv.core.kv.kv_cache import KVCacheSpec  # noqa: E402
 from pagedkv.core.model.model_loader import default_gguf, load_model  # noqa: E402
-from pagedkv.core.model.model_runner import ModelRunner, StepBatch  # noqa: E402
 from pagedkv.core.model.quant_linear import weight_bytes  # noqa: E402
 
 TEXT = DATA / "kv_quant_text.txt"
@@ -46,54 +43,25 @@ BLOCK = 16
 
 def forward_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
     """float32 logits at every position of each sequence: one packed prefill, ``cpu`` backend."""
-    spec = KVCacheSpec.from_model_config(model.config, BLOCK, torch.float32)
-    tables, start = [], 0
-    for seq in sequences:
-        n = -(-len(seq) // BLOCK)
-        tables.append(list(range(start, start + n)))
-        start += n
-    runner = ModelRunner(model, CpuBackend(), spec, start, "cpu")
-    ids = [t for seq in sequences for t in seq]
-    batch = StepBatch(ids, [p for seq in sequences for p in range(len(seq))], list(range(len(ids))), tables,
-                      [0] * len(sequences), [len(s) for s in sequences], [], [], [])
-    logits = runner.run(batch)
-    bounds = [0, *itertools.accumulate(len(s) for s in sequences)]
-    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
+    return packed_logits(model, CpuBackend(), torch.float32, sequences, BLOCK)
 
 
 def engine_for(model: Any, tokenizer: Any) -> Engine:
-    return Engine(EngineConfig(device="cpu", backend="cpu", block_size=BLOCK, kv_cache_memory="128MiB"),
-                  model=model, tokenizer=tokenizer)
+    return Engine(EngineConfig(device="cpu", backend="cpu", block_size=BLOCK, kv_cache_memory="128MiB",
+                               dtype="float32"), model=model, tokenizer=tokenizer)
 
 
 def generate(engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step(stream=False) if o.finished})
-    assert engine.pool.num_available == engine.num_blocks
-    return [done[i] for i in ids]
+    return greedy_outputs(engine, prompts, tokens)
 
 
 def perplexity(model: Any, text_ids: list[int], window: int) -> float:
-    windows = [w for w in (text_ids[i : i + window] for i in range(0, len(text_ids) - 1, window)) if len(w) > 1]
-    nll, count = 0.0, 0
-    for lo in range(0, len(windows), 4):
-        for w, logits in zip(windows[lo : lo + 4], forward_logits(model, windows[lo : lo + 4])):
-            logp = torch.log_softmax(logits[:-1].double(), -1)
-            nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
-            count += len(w) - 1
-    return math.exp(nll / count)
+    return text_perplexity(lambda seqs: forward_logits(model, seqs), text_ids, window)
 
 
 def agreement(quant: Any, fp32: Any, prompts: list[list[int]], forced: list[list[int]], tokens: int) -> float:
-    agree = 0
-    for lo in range(0, len(prompts), 4):
-        seqs = [p + o for p, o in zip(prompts[lo : lo + 4], forced[lo : lo + 4])]
-        for p, a, b in zip(prompts[lo : lo + 4], forward_logits(quant, seqs), forward_logits(fp32, seqs)):
-            span = slice(len(p) - 1, len(p) - 1 + tokens)
-            agree += (a[span].argmax(-1) == b[span].argmax(-1)).sum().item()
+    spans = (span_logits(lambda seqs, m=m: forward_logits(m, seqs), prompts, forced, tokens) for m in (quant, fp32))
+    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(*spans))
     return agree / (tokens * len(prompts))
 
 
@@ -113,8 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     quant, tokenizer, _ = load_model(None, torch.float32, "cpu", quantization="gguf")
     fp32, _, _ = load_model(None, torch.float32, "cpu")
     text_ids = tokenizer.encode(TEXT.read_text())
-    stride = max(1, (len(text_ids) - args.prompt_len) // args.prompts)
-    prompts = [text_ids[i * stride : i * stride + args.prompt_len] for i in range(args.prompts)]
+    prompts = text_prompts(text_ids, args.prompts, args.prompt_len)
     engines = {"q4_1": engine_for(quant, tokenizer), "fp32": engine_for(fp32, tokenizer)}
     forced = generate(engines["fp32"], prompts, args.tokens)
     ppl_q, ppl_f = perplexity(quant, text_ids, args.window), perplexity(fp32, text_ids, args.window)

@@ -19,12 +19,10 @@ keys and values always come from the cache. Usage (small enough for a shared 2-c
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
-from bench_common import DATA, model_dir  # noqa: E402
+from bench_common import DATA, greedy_outputs, model_dir, packed_logits, text_prompts  # noqa: E402
+from bench_common import perplexity as text_perplexity  # noqa: E402
+from bench_common import span_logits as forced_spans  # noqa: E402
 
-from pagedkv import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pagedkv import Engine, EngineConfig  # noqa: E402
 from pagedkv.backends.torch_ref import TorchBackend  # noqa: E402
 from pagedkv.core.config import parse_kv_cache_dtype  # noqa: E402
-from pagedkv.core.kv.kv_cache import KVCacheSpec  # noqa: E402
-from pagedkv.core.model.model_runner import ModelRunner, StepBatch  # noqa: E402
 
 TEXT = DATA / "kv_quant_text.txt"
 DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -61,52 +59,28 @@ def load(name: str) -> tuple[Any, Any]:
 
 def forward_logits(model: Any, kv_dtype: str, sequences: list[list[int]]) -> list[torch.Tensor]:
     """float32 logits at every position of each sequence, one packed prefill through a paged cache of ``kv_dtype``."""
-    spec = KVCacheSpec.from_model_config(model.config, BLOCK, parse_kv_cache_dtype(kv_dtype, torch.float32))
-    tables, start = [], 0
-    for seq in sequences:
-        n = -(-len(seq) // BLOCK)
-        tables.append(list(range(start, start + n)))
-        start += n
-    runner = ModelRunner(model, TorchBackend("cpu"), spec, start, "cpu")
-    ids = [t for seq in sequences for t in seq]
-    batch = StepBatch(ids, [p for seq in sequences for p in range(len(seq))], list(range(len(ids))), tables,
-                      [0] * len(sequences), [len(s) for s in sequences], [], [], [])
-    logits = runner.run(batch)
-    bounds = [0, *itertools.accumulate(len(s) for s in sequences)]
-    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
+    return packed_logits(model, TorchBackend("cpu"), parse_kv_cache_dtype(kv_dtype, torch.float32), sequences, BLOCK)
+
+
+def logits_fn(model: Any, kv_dtype: str) -> Callable[[list[list[int]]], list[torch.Tensor]]:
+    return lambda sequences: forward_logits(model, kv_dtype, sequences)
 
 
 def generate(model: Any, kv_dtype: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     engine = Engine(EngineConfig(device="cpu", backend="torch", block_size=BLOCK, kv_cache_memory="256MiB",
-                                 kv_cache_dtype=kv_dtype), model=model)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step(stream=False) if o.finished})
-    assert engine.pool.num_available == engine.num_blocks
-    return [done[i] for i in ids]
-
-
-def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> float:
-    windows = [text_ids[i : i + window] for i in range(0, len(text_ids) - 1, window)]
-    windows = [w for w in windows if len(w) > 1]
-    nll, count = 0.0, 0
-    for w, logits in zip(windows, forward_logits(model, kv_dtype, windows)):
-        logp = torch.log_softmax(logits[:-1].double(), -1)
-        nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
-        count += len(w) - 1
-    return math.exp(nll / count)
+                                 kv_cache_dtype=kv_dtype, dtype="float32"), model=model)
+    return greedy_outputs(engine, prompts, tokens)
 
 
 def span_logits(model: Any, kv_dtype: str, prompts: list[list[int]], base_out: list[list[int]], tokens: int,
                 chunk: int) -> Iterator[torch.Tensor]:
     """Teacher-forced logits of the rows predicting each continuation ``[tokens, vocab]``, ``chunk`` sequences per
     forward pass: all 64 x 160 positions' full-vocabulary logits at once would be 2 GB."""
-    for lo in range(0, len(prompts), chunk):
-        forced = [p + o for p, o in zip(prompts[lo : lo + chunk], base_out[lo : lo + chunk])]
-        for p, logits in zip(prompts[lo : lo + chunk], forward_logits(model, kv_dtype, forced)):
-            yield logits[len(p) - 1 : len(p) - 1 + tokens]
+    return forced_spans(logits_fn(model, kv_dtype), prompts, base_out, tokens, chunk)
+
+
+def perplexity(model: Any, kv_dtype: str, text_ids: list[int], window: int) -> float:
+    return text_perplexity(logits_fn(model, kv_dtype), text_ids, window, chunk=len(text_ids))
 
 
 def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: int,
@@ -115,8 +89,7 @@ def measure(name: str, num_prompts: int, tokens: int, prompt_len: int, window: i
     model, tokenizer = load(name)
     vocab = model.config.vocab_size
     text_ids = [t % vocab for t in tokenizer(TEXT.read_text())["input_ids"]]
-    stride = max(1, (len(text_ids) - prompt_len) // num_prompts)
-    prompts = [text_ids[i * stride : i * stride + prompt_len] for i in range(num_prompts)]
+    prompts = text_prompts(text_ids, num_prompts, prompt_len)
     base_out = generate(model, "auto", prompts, tokens)
     base_logits = list(span_logits(model, "auto", prompts, base_out, tokens, chunk))  # only the span: 25 MB a prompt
     base_ppl = perplexity(model, "auto", text_ids, window)

@@ -29,6 +29,8 @@ FLAGS = [
     (["serve", "org/model", "--model", "org/model"], "config.model", "org/model"),
     (["serve", "--dtype", "auto"], "config.dtype", "auto"),
     (["run", "--dtype", "auto"], "config.dtype", "auto"),
+    (["serve"], "config.dtype", "auto"),  # vLLM's default: decided by the engine from the checkpoint and backend
+    (["run"], "config.dtype", "auto"),
     (["serve", "--swap-space", "4"], "config.swap_space", 4 * GiB),
     (["serve", "--swap-space", "0.5"], "config.swap_space", GiB // 2),
     (["run", "--swap-space", "512MiB"], "config.swap_space", 512 * 2**20),

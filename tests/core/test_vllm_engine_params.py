@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedkv import LLM, Engine, EngineConfig, SamplingParams
-from pagedkv.core.config import resolve_auto_dtype
 from pagedkv.core.errors import ConfigError, RequestRejected
 from pagedkv.serve.testing import byte_level_tokenizer
 from pagedkv.testing import tiny_llama as make_tiny_llama
@@ -86,14 +84,6 @@ def test_truncate_prompt_tokens_in_the_engine(tiny_llama):
     engine = Engine(EngineConfig(device="cpu", num_blocks=64, block_size=4), model=tiny_llama)
     rid = engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=2, truncate_prompt_tokens=5))
     assert engine.requests[rid][0].prompt_token_ids == list(range(25, 30))
-
-
-def test_dtype_auto_is_the_checkpoints_with_float16_as_bfloat16_on_cpu(tiny_llama):
-    assert resolve_auto_dtype(torch.float16, "cpu") == torch.bfloat16
-    assert resolve_auto_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert resolve_auto_dtype(None, "cpu") == torch.float32
-    engine = Engine(EngineConfig(device="cpu", num_blocks=16, dtype="auto"), model=tiny_llama)
-    assert engine.config.dtype == torch.float32
 
 
 def test_max_model_len_the_cache_cannot_hold_is_a_start_up_error(tiny_llama):
