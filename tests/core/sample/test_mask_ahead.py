@@ -151,3 +151,35 @@ def test_masks_computed_ahead_run_below_the_step_loops_os_priority():
     assert plugin.off_step_nice and min(plugin.off_step_nice) > step_nice
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_nice  # the step loop's is untouched
     engine.close()
+
+
+def slow_request_text(held_steps: int) -> tuple[str, int]:
+    """The slow grammar's seeded output when its masks are held back for the first ``held_steps`` steps (a
+    bystander decodes meanwhile), and how many masks were computed off the loop."""
+    plugin = SlowMasks()
+    if not held_steps:
+        plugin.release.set()
+    engine = engine_with(plugin)
+    slow = SamplingParams(max_tokens=12, temperature=1.0, seed=11, structured=StructuredOutputs(regex=SLOW))
+    engine.add_request("x", slow, request_id="slow")
+    engine.add_request("y", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), request_id="bystander")
+    outputs: dict = {}
+    for _ in range(held_steps):
+        for out in engine.step(stream=True):  # (streamed: a request that got a token reports it)
+            outputs[out.request_id] = out
+    if held_steps:  # it sat every one of those steps out (the bystander did not)
+        assert "slow" not in outputs and len(outputs["bystander"].outputs[0].token_ids) >= 5
+    plugin.release.set()
+    step_until(engine, outputs, lambda: not engine.has_unfinished())
+    assert engine.pool.num_used == 0
+    engine.close()
+    return outputs["slow"].outputs[0].text, plugin.off_step_thread
+
+
+def test_a_request_deferred_while_its_mask_is_not_ready_samples_the_same_text():
+    """Sitting steps out changes when the slow request's tokens come, never which: its seeded text equals the
+    text it gets when no mask ever keeps it waiting (a guard on the deferral, which predates this test)."""
+    undeferred_text, _ = slow_request_text(held_steps=0)
+    deferred_text, off_loop = slow_request_text(held_steps=10)
+    assert off_loop >= 1 and re.fullmatch(SLOW, deferred_text)
+    assert deferred_text == undeferred_text
