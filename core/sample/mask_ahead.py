@@ -5,7 +5,8 @@ mask, it stretched every other request's step by as much. So a sequence whose la
 ``SLOW_MASK_S`` (and every new one, until its first mask is timed) has its next mask computed on a worker
 thread as soon as its token is booked, and is *held* (``Sequence.held``: the scheduler skips it) until
 that mask is ready; the step never waits for it. Cheap masks stay in the step's one batched fill, which
-is faster than a thread hop. llguidance computes a mask without the GIL, so the step runs on meanwhile.
+is faster than a thread hop. llguidance computes a mask without the GIL, so the step runs on meanwhile;
+the workers run at a lower OS priority (``background_priority``) so they do not take the step's core either.
 
 Only one thread touches a matcher at a time: a mask is started after the step's bookkeeping (the stop
 check reads the matcher) and is taken before the matcher consumes the next token or is copied for a fork.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedkv.core.sample.background_priority import lower_this_thread
 from pagedkv.core.sample.grammar_backend import GrammarBackend, GrammarMatcher, bitmask_words, new_bitmask
 from pagedkv.core.sample.reasoning_gate import masking
 
@@ -60,7 +62,8 @@ class MaskAhead:
                 continue
             self._slow.add(seq)
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="pagedkv-mask")
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="pagedkv-mask",
+                                                initializer=lower_this_thread)
             self._ahead[seq] = self._pool.submit(_one_mask, backend, matcher, self._vocab_size)
             self.computed += 1
 

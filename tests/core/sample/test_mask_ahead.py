@@ -4,8 +4,12 @@ its grammar, and a mask that fails off the loop still ends that request alone.""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
+
+import pytest
 
 from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
@@ -28,6 +32,7 @@ class SlowMasks:
         self.step_thread = threading.current_thread()
         self.on_step_thread = 0
         self.off_step_thread = 0
+        self.off_step_nice: set[int] = set()  # the OS priority (nice) of the threads masks ran on off the loop
 
     @hookimpl
     def pagedkv_register_grammar_backends(self, register):
@@ -65,6 +70,7 @@ class SlowMasks:
                         outer.release.wait(0.2)
                     else:
                         outer.off_step_thread += 1
+                        outer.off_step_nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
                         outer.release.wait(30)
                 if "fail" in kinds and threading.current_thread() is not outer.step_thread:
                     raise ValueError("injected mask fault")
@@ -125,3 +131,55 @@ def test_a_mask_failing_off_the_step_loop_ends_that_request_alone():
     assert len(outputs["bystander"].outputs[0].token_ids) == 6
     assert engine.pool.num_used == 0
     engine.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_masks_computed_ahead_run_below_the_step_loops_os_priority():
+    """A mask worker busy on a shared core must lose the core's ticks, not the step loop: on a 2-core host
+    with a third runnable thread the step lost a ~4 ms tick every few steps while a 0.4 MB literal's masks ran
+    (benchmarks/JOURNAL.md, "bystander ITL at the OS level")."""
+    plugin = SlowMasks()
+    plugin.release.set()
+    engine = engine_with(plugin)
+    engine.add_request("x", SamplingParams(max_tokens=8, seed=5, structured=StructuredOutputs(regex=SLOW)),
+                       request_id="slow")
+    outputs: dict = {}
+    step_until(engine, outputs, lambda: not engine.has_unfinished())
+    assert re.fullmatch(SLOW, outputs["slow"].outputs[0].text)
+    step_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert plugin.off_step_thread >= 1
+    assert plugin.off_step_nice and min(plugin.off_step_nice) > step_nice
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_nice  # the step loop's is untouched
+    engine.close()
+
+
+def slow_request_text(held_steps: int) -> tuple[str, int]:
+    """The slow grammar's seeded output when its masks are held back for the first ``held_steps`` steps (a
+    bystander decodes meanwhile), and how many masks were computed off the loop."""
+    plugin = SlowMasks()
+    if not held_steps:
+        plugin.release.set()
+    engine = engine_with(plugin)
+    slow = SamplingParams(max_tokens=12, temperature=1.0, seed=11, structured=StructuredOutputs(regex=SLOW))
+    engine.add_request("x", slow, request_id="slow")
+    engine.add_request("y", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), request_id="bystander")
+    outputs: dict = {}
+    for _ in range(held_steps):
+        for out in engine.step(stream=True):  # (streamed: a request that got a token reports it)
+            outputs[out.request_id] = out
+    if held_steps:  # it sat every one of those steps out (the bystander did not)
+        assert "slow" not in outputs and len(outputs["bystander"].outputs[0].token_ids) >= 5
+    plugin.release.set()
+    step_until(engine, outputs, lambda: not engine.has_unfinished())
+    assert engine.pool.num_used == 0
+    engine.close()
+    return outputs["slow"].outputs[0].text, plugin.off_step_thread
+
+
+def test_a_request_deferred_while_its_mask_is_not_ready_samples_the_same_text():
+    """Sitting steps out changes when the slow request's tokens come, never which: its seeded text equals the
+    text it gets when no mask ever keeps it waiting (a guard on the deferral, which predates this test)."""
+    undeferred_text, _ = slow_request_text(held_steps=0)
+    deferred_text, off_loop = slow_request_text(held_steps=10)
+    assert off_loop >= 1 and re.fullmatch(SLOW, deferred_text)
+    assert deferred_text == undeferred_text
