@@ -129,3 +129,19 @@ def test_int8_on_a_gguf_file_is_refused(tmp_path):
 def test_int4_with_tensor_parallel_or_transformers_is_refused(field):
     with pytest.raises(ConfigError, match="quantization int4 runs pagedkv's own Llama on one device"):
         EngineConfig(quantization="int4", **field)
+
+
+def test_capacity_line_and_run_report_count_the_quantized_weight_bytes(checkpoint):
+    from pagedkv.cli.run import capacity
+
+    seen = {}
+    for method in (None, "int8", "int4"):
+        engine = Engine(EngineConfig(model=str(checkpoint), quantization=method, backend="torch", device="cpu",
+                                     num_blocks=8, block_size=BLOCK))
+        report = capacity(engine)
+        assert report["weight_bytes"] == weight_bytes(engine.model)
+        assert report["weight_formats"] == ([METHOD_FORMATS[method]] if method else [])
+        held = f"{METHOD_FORMATS[method]} blocks" if method else "float32"
+        assert engine.capacity_line().endswith(f"; weights {report['weight_bytes'] / 2**20:.1f} MiB ({held})")
+        seen[method] = report["weight_bytes"]
+    assert seen["int4"] < seen["int8"] < seen[None] / 3
