@@ -8,11 +8,13 @@ they run a GGUF file's blocks.
   VNNI dot products as llama.cpp does (W8A8-like).
 - ``int4`` -> ``Q4_1``: group-wise scale and minimum per 32 values (5 bits a weight), the asymmetric grouping of
   AWQ/GPTQ's zero points at group size 32. Group 128 would need a block format no kernel here takes: refused.
+  The token embedding (and a tied ``lm_head``) is ``Q8_0`` under int4 too: AWQ/GPTQ checkpoints leave them
+  unquantized and llama.cpp's Q4 files keep them at 8 bits, because 4-bit logits cost the most accuracy.
 
 The arithmetic matches the ``gguf`` package's reference quantizers (llama.cpp's ``ggml-quants.c``) byte for byte,
 in torch, so a model quantized here and the same weights quantized by llama.cpp's tools are one model.
 Every ``nn.Linear`` of pagedkv's Llama and its token embedding are quantized (a tied ``lm_head`` shares the
-embedding's blocks); norms stay in the model's dtype.
+embedding's blocks; an untied one is quantized as the embedding is); norms stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pagedkv.core.model.quant_linear import QuantEmbedding, QuantLinear
 
 log = logging.getLogger("pagedkv.model")
 
-METHOD_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}
+METHOD_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}  # the linears'
+EMBEDDING_FORMAT = "Q8_0"  # the token embedding's and the lm_head's, either method
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,6 @@ def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """``model`` (pagedkv's Llama, full precision) with its linears and token embedding in ``method``'s blocks,
     replaced in place; returned for chaining. A weight whose rows are not whole blocks stays as it is (logged)."""
-    qtype = METHOD_FORMATS[method]
     body = model.model
     embed = body.embed_tokens
     tied = model.lm_head.weight is embed.weight
@@ -87,13 +89,14 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         if module.in_features % BLOCK:
             kept.append(name)
             continue
+        qtype = EMBEDDING_FORMAT if module is model.lm_head else METHOD_FORMATS[method]
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         blocks = quantize_weight(module.weight, qtype).to(module.weight.device)
         setattr(parent, leaf, QuantLinear(blocks, qtype, module.in_features, module.out_features))
     if embed.embedding_dim % BLOCK == 0:
-        blocks = quantize_weight(embed.weight, qtype).to(embed.weight.device)
-        body.embed_tokens = QuantEmbedding(blocks, qtype, embed.embedding_dim, embed.weight.dtype)
+        blocks = quantize_weight(embed.weight, EMBEDDING_FORMAT).to(embed.weight.device)
+        body.embed_tokens = QuantEmbedding(blocks, EMBEDDING_FORMAT, embed.embedding_dim, embed.weight.dtype)
         if tied:
             model.lm_head = body.embed_tokens.as_linear()
     else:
