@@ -103,7 +103,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_caching: boo
       help="model code: auto (pagedkv's own Llama where it computes exactly what transformers does, else "
       "transformers), pagedkv (alias vllm), or transformers (default: %(default)s)")
     a("--quantization", "-q", default=None, metavar="METHOD",
-      help="gguf: run a .gguf file's Q8_0/Q4_0/Q4_1 weights as their blocks (default: none, a GGUF file is "
+      help="gguf: run a .gguf file's Q8_0/Q4_0/Q4_1 weights as their blocks; int8 / int4: quantize a "
+      "full-precision checkpoint at load (Q8_0 / Q4_1 blocks, group 32) (default: none, a GGUF file is "
       "de-quantized to float32; any other method is refused)%(default).0s")
     a("--backend", default="auto", help="attention backend: auto (cpu on CPU, else torch), cpu, torch, triton, cupy "
       "(default: %(default)s)")

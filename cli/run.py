@@ -204,7 +204,19 @@ def capacity(engine: Any) -> dict:
         "device": engine.config.device,
         "dtype": str(engine.config.dtype).replace("torch.", ""),
         "kv_cache_dtype": engine.config.kv_cache_dtype,
+        **weights(engine.model),
     }
+
+
+def weights(model: Any) -> dict:
+    """The resident weight bytes (quantized blocks as their bytes) and the block formats, for the report."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    from pagedkv.core.model.quant_linear import weight_bytes, weight_formats
+
+    return {"weight_bytes": weight_bytes(model), "weight_formats": weight_formats(model)}
 
 
 def print_report(completions: list[dict], summary: dict) -> None:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedkv.core.output_files import check_output_paths
-from pagedkv.sim.model_budget import dtype_bytes, format_gib, gpu_kv_budget, load_model_config
+from pagedkv.sim.model_budget import format_gib, gpu_kv_budget, load_model_config, weight_bytes_per_param
 from pagedkv.sim.report import format_report, jsonable
 from pagedkv.sim.simulate import SWEEP_KEYS, SimSetup, default_step_time, parse_sweep, simulate
 
@@ -32,6 +32,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --gpu-memory (default 0.9)")
     p.add_argument("--num-params", type=float, default=None, help="with --gpu-memory: override the params estimate")
     p.add_argument("--dtype", default="bfloat16", help="KV and weight dtype size: bfloat16/float16 (2), float32 (4)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weights as engine run's --quantization: int8 (Q8_0, 1.0625 B a weight), int4 (Q4_1, "
+                   "0.625 B), or a GGUF block format q8_0/q4_0/q4_1: the weight bytes --gpu-memory subtracts and "
+                   "a decode step reads (default: --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV storage: auto (= --dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--block-size", type=int, default=16)
@@ -64,16 +68,17 @@ def setup_from_args(args: Any) -> tuple[SimSetup, dict]:
         model_config=cfg, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-        swap_space=args.swap_space, trace=args.trace,
+        swap_space=args.swap_space, trace=args.trace, quantization=args.quantization,
         decode_lane=not args.no_decode_lane,
     )
-    dtype_bytes(args.dtype)
+    per_param = weight_bytes_per_param(args.dtype, args.quantization)  # a bad --dtype / --quantization: one line
     if args.gpu_memory is not None:
-        b = gpu_kv_budget(cfg, parse_bytes(args.gpu_memory), args.gpu_memory_utilization, args.dtype, args.num_params)
+        b = gpu_kv_budget(cfg, parse_bytes(args.gpu_memory), args.gpu_memory_utilization, args.dtype, args.num_params,
+                          args.quantization)
         setup.kv_cache_memory = b["kv_bytes"]
         text = (f"{format_gib(b['kv_bytes'])} = {format_gib(b['gpu_memory'])} x {b['utilization']} - weights "
-                f"{format_gib(b['weight_bytes'])} (~{b['params'] / 1e6:.0f}M params x {dtype_bytes(args.dtype)} B); "
-                "activations not subtracted")
+                f"{format_gib(b['weight_bytes'])} (~{b['params'] / 1e6:.0f}M params x {per_param:g} B"
+                + (f", {args.quantization}" if args.quantization else "") + "); activations not subtracted")
         budget = {**b, "text": text}
     elif args.num_blocks is not None:
         setup.num_blocks = args.num_blocks

@@ -97,7 +97,11 @@ def parse_model_impl(value: str | None) -> str:
     return name
 
 
-QUANTIZATIONS = ("gguf",)
+QUANTIZATIONS = ("gguf", "int8", "int4")
+# Names a user may reasonably try that pagedkv does not run, each refused with its own reason (vLLM's names).
+_NOT_IMPLEMENTED = {
+    "int4_g128": "int4 runs group 32 (Q4_1 blocks); group 128 needs a block format the kernels do not take",
+}
 
 
 def parse_quantization(value: str | None) -> str | None:
@@ -107,8 +111,11 @@ def parse_quantization(value: str | None) -> str | None:
         return None
     name = str(value).lower()
     if name not in QUANTIZATIONS:
-        raise ConfigError(f"quantization {value!r} is not implemented; pagedkv runs: gguf (a GGUF file's Q8_0, "
-                          "Q4_0 and Q4_1 weights kept as their blocks)")
+        reason = _NOT_IMPLEMENTED.get(name.replace("-", "_"))
+        raise ConfigError(f"quantization {value!r} is not implemented" + (f" ({reason})" if reason else "") +
+                          "; pagedkv runs: gguf (a GGUF file's Q8_0, Q4_0 and Q4_1 weights kept as their blocks), "
+                          "int8 (a full-precision checkpoint quantized at load to Q8_0: 8-bit, a scale per 32 "
+                          "values), int4 (quantized at load to Q4_1: 4-bit, scale and minimum per group of 32)")
     return name
 
 

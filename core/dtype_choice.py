@@ -54,8 +54,9 @@ def choose_dtype(checkpoint: torch.dtype | str | None, device: str, features: Dt
     """The model dtype ``--dtype auto`` runs, and why (the decision table is in the module docstring)."""
     if isinstance(checkpoint, str):
         checkpoint = _NAMED.get(checkpoint.replace("torch.", "").lower())
-    if quantization == "gguf":  # the blocks are the weights; their kernels take fp32 activations
-        return DtypeChoice(torch.float32, "GGUF blocks run with fp32 activations")
+    if quantization:  # the blocks are the weights (GGUF's, or int8/int4 made at load); their kernels take fp32
+        label = "GGUF" if quantization == "gguf" else f"{quantization} (quantized at load)"
+        return DtypeChoice(torch.float32, f"{label} blocks run with fp32 activations")
     if not isinstance(checkpoint, torch.dtype) or checkpoint not in _NAMED.values():
         return DtypeChoice(torch.float32, "the checkpoint names no dtype")
     name = str(checkpoint).replace("torch.", "")

@@ -203,9 +203,15 @@ class Engine:
         return any(has_impls(self.pm, name) for name in hook_names)
 
     def capacity_line(self) -> str:
-        """The KV budget in plain words: how many requests of the longest allowed length fit at once."""
-        return capacity_line(self.num_blocks, self.spec, self.max_model_len, self.config.tensor_parallel_size,
+        """The KV budget in plain words: how many requests of the longest allowed length fit at once, and the
+        bytes the weights hold (quantized blocks count as their bytes: what a byte budget has left for KV)."""
+        line = capacity_line(self.num_blocks, self.spec, self.max_model_len, self.config.tensor_parallel_size,
                              self.config.kv_cache_dtype)
+        if isinstance(self.model, torch.nn.Module):  # (a simulator's engine has no model)
+            from pagedkv.core.model.quant_linear import weights_text
+
+            line += f"; {weights_text(self.model)}"
+        return line
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); a tensor-parallel engine cannot step after."""

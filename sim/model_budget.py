@@ -17,6 +17,9 @@ DEFAULT_MODEL = dict(
 _GPT2_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size",
                "n_positions": "max_position_embeddings", "n_inner": "intermediate_size"}
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
+# Bytes a weight of each ``--quantization`` (and GGUF block format) takes: a block's bytes over its 32 values
+# (core/model/quant_formats.py; int8 runs as Q8_0, int4 as Q4_1). Norms stay in --dtype; they are noise here.
+QUANT_BYTES = {"int8": 34 / 32, "int4": 20 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
 
 
 class SimulationError(PagedKVError, ValueError):
@@ -78,23 +81,37 @@ def dtype_bytes(dtype: str) -> int:
         raise ConfigError(f"--dtype {dtype!r}: use float32, bfloat16 or float16") from None
 
 
-def gpu_kv_budget(cfg: Any, gpu_memory: int, utilization: float, dtype: str, num_params: float | None = None) -> dict:
-    """KV bytes = gpu_memory * utilization - weights (params * dtype size). Activations are not subtracted."""
+def weight_bytes_per_param(dtype: str, quantization: str | None = None) -> float:
+    """Bytes one weight takes: its dtype's size, or its ``quantization``'s block bytes per value."""
+    if quantization is None:
+        return dtype_bytes(dtype)
+    try:
+        return QUANT_BYTES[quantization.lower()]
+    except KeyError:
+        raise SimulationError(f"--quantization {quantization!r}: use one of {', '.join(QUANT_BYTES)}") from None
+
+
+def gpu_kv_budget(cfg: Any, gpu_memory: int, utilization: float, dtype: str, num_params: float | None = None,
+                  quantization: str | None = None) -> dict:
+    """KV bytes = gpu_memory * utilization - weights (params * bytes a weight: the dtype's, or the quantized
+    blocks'). Activations are not subtracted."""
     if not 0.0 < utilization <= 1.0:
         raise SimulationError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     params = int(num_params) if num_params else estimate_params(cfg)
-    weights = params * dtype_bytes(dtype)
+    per_param = weight_bytes_per_param(dtype, quantization)
+    weights = int(params * per_param)
     usable = int(gpu_memory * utilization)
     kv = usable - weights
     if kv <= 0:
         raise SimulationError(
-            f"the weights alone (~{params / 1e9:.2f}B params x {dtype_bytes(dtype)} bytes = {format_gib(weights)}) "
+            f"the weights alone (~{params / 1e9:.2f}B params x {per_param:g} bytes = {format_gib(weights)}) "
             f"do not fit in --gpu-memory {format_gib(gpu_memory)} x --gpu-memory-utilization {utilization} = "
             f"{format_gib(usable)}; "
-            "give more GPU memory, a higher utilization, or a smaller dtype"
+            "give more GPU memory, a higher utilization, or a smaller dtype (or --quantization)"
         )
     return {"gpu_memory": gpu_memory, "utilization": utilization, "params": params, "weight_bytes": weights,
-            "kv_bytes": kv, "note": "KV = gpu_memory x utilization - params x dtype size; activations not subtracted"}
+            "bytes_per_param": per_param, "quantization": quantization, "kv_bytes": kv,
+            "note": "KV = gpu_memory x utilization - params x bytes a weight; activations not subtracted"}
 
 
 def format_gib(n: float) -> str:

@@ -22,7 +22,13 @@ from typing import Any
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.stats import summarize
 from pagedkv.sim import lane_run
-from pagedkv.sim.model_budget import SimulationError, dtype_bytes, estimate_params, load_model_config
+from pagedkv.sim.model_budget import (
+    SimulationError,
+    dtype_bytes,
+    estimate_params,
+    load_model_config,
+    weight_bytes_per_param,
+)
 from pagedkv.sim.step_time_model import StepTimeModel
 from pagedkv.sim.tally import RunTally
 from pagedkv.sim.workload import Workload, synth_prompt
@@ -42,6 +48,7 @@ class SimSetup:
     max_model_len: int | None = None
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"  # as engine run's --kv-cache-dtype; auto: the dtype above
+    quantization: str | None = None  # the weights' (model_budget.QUANT_BYTES): the bytes a decode step reads
     enable_prefix_caching: bool = False
     swap_space: int | str | None = None
     allocator: str = "paged"
@@ -239,7 +246,7 @@ def _labelled(progress: Callable[[str, int, int], None] | None, label: str) -> C
 def default_step_time(setup: SimSetup, engine: Any = None) -> StepTimeModel:
     cfg = setup.model_config
     params = getattr(cfg, "_sim_num_params", None) or estimate_params(cfg)
-    size = dtype_bytes(setup.dtype)
+    size = weight_bytes_per_param(setup.dtype, setup.quantization)
     return StepTimeModel.roofline(params, params * size, bytes_per_block(setup) / setup.block_size)
 
 

@@ -30,10 +30,36 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# The K-quants' fp16 super-block scales: (block bytes, offsets of d and dmin; None where the format has none).
+# The ``gguf`` package can read K-quants but not write them, so a fixture's K-quant weights are random blocks
+# whose scale fields hold small finite values (any other bytes are valid quants and sub-block scales).
+_K_QUANTS = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None)}
+
+
+def _random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, cols / 256 * block_bytes]`` uint8: random ``kind`` blocks with finite, small super-block scales."""
+    size, d_at, dmin_at = _K_QUANTS[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for at, scale in ((d_at, 3e-4), (dmin_at, 2e-4)):
+        if at is not None:
+            values = (rng.uniform(0.5, 1.5, size=(blocks.shape[0], 1)) * scale).astype(np.float16)
+            blocks[:, at : at + 2] = values.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _stored(kind: str, w: np.ndarray, seed: int) -> np.ndarray:
+    import gguf
+
+    if kind in _K_QUANTS:
+        return _random_k_blocks(kind, *w.shape, np.random.default_rng(seed))
+    return gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType[kind])
+
+
 def save_tiny_gguf(root: Path, qtype: str, other: dict[str, str] | None = None, seed: int = 0,
                    **overrides) -> tuple[Path, Path]:
     """``(gguf_dir, fp32_dir)``: a random tiny Llama in ``qtype`` blocks (``other`` maps tensor names of the GGUF file
-    to another type, e.g. ``{"blk.0.ffn_up.weight": "Q5_0"}``), and its fp32 de-quantization as safetensors."""
+    to another type, e.g. ``{"blk.0.ffn_up.weight": "Q5_0"}``; a K-quant there is random blocks, see
+    :data:`_K_QUANTS`), and its fp32 de-quantization as safetensors."""
     import gguf
     from safetensors.torch import load_file, save_file
 
@@ -52,7 +78,7 @@ def save_tiny_gguf(root: Path, qtype: str, other: dict[str, str] | None = None, 
         kind = (other or {}).get(_gguf_name(name), "F32" if w.ndim == 1 else qtype)
         kind_enum = gguf.GGMLQuantizationType[kind]
         stored = _permute(w, heads) if "q_proj" in name else _permute(w, kv_heads) if "k_proj" in name else w
-        data = gguf.quants.quantize(np.ascontiguousarray(stored), kind_enum)
+        data = _stored(kind, stored, seed + len(dequantized))
         writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape if kind == "F32" else None,
                           raw_dtype=kind_enum)
         back = gguf.quants.dequantize(data, kind_enum).reshape(w.shape)

@@ -10,9 +10,13 @@ On prompts cut from a fixed local text (``data/kv_quant_text.txt``), ``cpu`` bac
 - resident weight bytes of the blocks' model (each storage once) against the GGUF file's size;
 - batch-1 greedy decode tokens per second, the two engines alternated round by round (median of ``--rounds``).
 
+``--method int8`` / ``int4`` measure ``--quantization int8`` / ``int4`` instead: the fp32 checkpoint (the file's
+de-quantization, the only full-precision SmolLM2 on a machine without a hub) quantized at load to Q8_0 / Q4_1,
+against that fp32 checkpoint itself.
+
 Usage (small enough for a shared 2-core machine):
 
-    .venv/bin/python benchmarks/e2e/gguf_quant_accuracy.py --prompts 16 --tokens 64 --threads 1 [--json]
+    .venv/bin/python benchmarks/e2e/gguf_quant_accuracy.py --prompts 16 --tokens 64 --threads 1 [--method int8] [--json]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from bench_common import perplexity as text_perplexity  # noqa: E402
 
 from pagedkv import Engine, EngineConfig  # noqa: E402
 from pagedkv.backends.cpu.backend import CpuBackend  # noqa: E402
-from pagedkv.core.model.model_loader import default_gguf, load_model  # noqa: E402
+from pagedkv.core.model.model_loader import default_gguf, load_model, resolve_model_dir  # noqa: E402
 from pagedkv.core.model.quant_linear import weight_bytes  # noqa: E402
 
 TEXT = DATA / "kv_quant_text.txt"
@@ -78,11 +82,16 @@ def decode_speed(engines: dict[str, Engine], prompt: list[int], tokens: int, rou
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    quant, tokenizer, _ = load_model(None, torch.float32, "cpu", quantization="gguf")
+    if args.method == "gguf":
+        quant, tokenizer, _ = load_model(None, torch.float32, "cpu", quantization="gguf")
+    else:  # the fp32 checkpoint as a directory: --quantization int8/int4 refuses the GGUF default model by name
+        quant, tokenizer, _ = load_model(str(resolve_model_dir(None)), torch.float32, "cpu",
+                                         quantization=args.method)
     fp32, _, _ = load_model(None, torch.float32, "cpu")
+    name = {"gguf": "q4_1"}.get(args.method, args.method)
     text_ids = tokenizer.encode(TEXT.read_text())
     prompts = text_prompts(text_ids, args.prompts, args.prompt_len)
-    engines = {"q4_1": engine_for(quant, tokenizer), "fp32": engine_for(fp32, tokenizer)}
+    engines = {name: engine_for(quant, tokenizer), "fp32": engine_for(fp32, tokenizer)}
     forced = generate(engines["fp32"], prompts, args.tokens)
     ppl_q, ppl_f = perplexity(quant, text_ids, args.window), perplexity(fp32, text_ids, args.window)
     speed = decode_speed(engines, prompts[0], args.decode_tokens, args.rounds)
@@ -90,11 +99,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts, "tokens": args.tokens, "text_tokens": len(text_ids), "window": args.window,
         "threads": torch.get_num_threads(),
         "teacher_forced_agreement": agreement(quant, fp32, prompts, forced, args.tokens),
-        "perplexity_q4_1": ppl_q, "perplexity_fp32": ppl_f, "perplexity_change": ppl_q / ppl_f - 1,
-        "weight_bytes_q4_1": weight_bytes(quant), "weight_bytes_fp32": weight_bytes(fp32),
+        f"perplexity_{name}": ppl_q, "perplexity_fp32": ppl_f, "perplexity_change": ppl_q / ppl_f - 1,
+        f"weight_bytes_{name}": weight_bytes(quant), "weight_bytes_fp32": weight_bytes(fp32),
         "gguf_file_bytes": default_gguf().stat().st_size,
         "resident_over_file": weight_bytes(quant) / default_gguf().stat().st_size,
-        "decode_tok_s": speed, "decode_speedup": speed["q4_1"] / speed["fp32"],
+        "decode_tok_s": speed, "decode_speedup": speed[name] / speed["fp32"],
     }
 
 
@@ -107,6 +116,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--method", choices=["gguf", "int8", "int4"], default="gguf",
+                        help="gguf: the file's Q4_1 blocks; int8/int4: the fp32 checkpoint quantized at load")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:

@@ -160,13 +160,14 @@ class LlamaForCausalLM(nn.Module):
         # Not a buffer: ``.to(dtype)`` must not round it (transformers keeps it float32 too).
         self.inv_freq = rotary_inv_freq(config.rope_parameters["rope_theta"], config.head_dim)
 
+    # Read from the final norm: it stays in the model's dtype when the embeddings are quantized (GGUF, int8/int4).
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 logits_to_keep: int | torch.Tensor = 0, pagedkv_step: Any = None, **_: Any) -> CausalLMOutput:

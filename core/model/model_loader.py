@@ -62,6 +62,8 @@ def resolve_model_dir(model: str | None, revision: str | None = None, quantizati
     """
     if quantization == "gguf":
         return _gguf_dir(model, revision)
+    if quantization is not None:
+        _refuse_gguf_source(model, revision, quantization)
     if model in (None, "", DEFAULT_MODEL) or (model == f"HuggingFaceTB/{DEFAULT_MODEL}" and revision is None):
         return convert_gguf(default_gguf(), name=DEFAULT_MODEL)
     if looks_like_hub_id(model):
@@ -97,6 +99,16 @@ def _gguf_dir(model: str | None, revision: str | None) -> Path:
             raise ConfigError(f"quantization gguf runs a .gguf file, a directory with config.json and {GGUF_LINK}, "
                               f"or the default model; not {model!r}")
     return gguf_sidecar(path, cache_dir() / "models" / f"{name or path.stem}-{conversion_key(path)}-gguf")
+
+
+def _refuse_gguf_source(model: str | None, revision: str | None, method: str) -> None:
+    """``int8`` / ``int4`` quantize a full-precision checkpoint; a GGUF file (the default model is one) is already
+    quantized, and re-quantizing its de-quantization would stack two roundings without saying so."""
+    default = model in (None, "", DEFAULT_MODEL) or (model == f"HuggingFaceTB/{DEFAULT_MODEL}" and revision is None)
+    if default or str(model).endswith(".gguf"):
+        what = "the default model is a GGUF file" if default else f"{model} is a GGUF file"
+        raise ConfigError(f"quantization {method} quantizes a full-precision checkpoint at load; {what}, already "
+                          "quantized: run it with --quantization gguf, or leave --quantization unset")
 
 
 def conversion_key(gguf_path: Path, sample: int = 1 << 20) -> str:
@@ -186,6 +198,8 @@ def load_model(
         path = resolve_model_dir(model, revision, quantization)
     if quantization == "gguf":
         return _load_gguf(path, dtype, device, model_impl)
+    if quantization is not None:
+        return _load_quantized(path, dtype, device, model_impl, quantization)
     hf_model = tokenizer = None
     if model_impl != "transformers":
         from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
@@ -230,6 +244,27 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, model_impl: str) -> 
         raise ConfigError(f"quantization gguf runs pagedkv's own Llama, which cannot run this model: {why}")
     with phase("weights loaded (GGUF blocks)"):
         model = load_gguf_llama(path, dtype, device)
+    if fast_tokenizer_problem(path) is None:
+        return model, FastTokenizer(path), path
+    from transformers import AutoTokenizer
+
+    return model, AutoTokenizer.from_pretrained(path), path
+
+
+def _load_quantized(path: Path, dtype: torch.dtype, device: str, model_impl: str, method: str) -> tuple[Any, Any, Path]:
+    """pagedkv's Llama over ``path`` with its weights quantized at load (:mod:`.weight_quantizer`)."""
+    from pagedkv.core.model.fast_tokenizer import FastTokenizer, fast_tokenizer_problem
+    from pagedkv.core.model.native_loader import native_reason, try_native
+    from pagedkv.core.model.weight_quantizer import quantize_model
+
+    reason = "--model-impl transformers" if model_impl == "transformers" else native_reason(path)
+    with phase("weights loaded (pagedkv's Llama)"):
+        model = try_native(path, dtype, device) if reason is None else None
+    if model is None:
+        why = reason or "its weights cannot be read (--log-level debug says why)"
+        raise ConfigError(f"quantization {method} runs pagedkv's own Llama, which cannot run {path}: {why}")
+    with phase(f"weights quantized ({method})"):
+        quantize_model(model, method)
     if fast_tokenizer_problem(path) is None:
         return model, FastTokenizer(path), path
     from transformers import AutoTokenizer

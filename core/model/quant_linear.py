@@ -129,3 +129,18 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def weight_formats(model: nn.Module) -> list[str]:
+    """The block formats ``model``'s weights are held in (sorted; empty for a full-precision model)."""
+    return sorted({m.qtype for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))})
+
+
+def weights_text(model: nn.Module) -> str:
+    """``model``'s resident weights in words for the capacity line: ``weights 96.6 MiB (Q4_1, Q8_0 blocks)``."""
+    size = weight_bytes(model)
+    formats = weight_formats(model)
+    dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), None)
+    held = f"{', '.join(formats)} blocks" if formats else str(dtype).replace("torch.", "")
+    size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    return f"weights {size_text} ({held})"

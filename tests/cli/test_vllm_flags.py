@@ -63,6 +63,8 @@ FLAGS = [
     (["serve", "--quantization", "gguf"], "config.quantization", "gguf"),
     (["run", "-q", "GGUF"], "config.quantization", "gguf"),
     (["run"], "config.quantization", None),
+    (["run", "-q", "int8"], "config.quantization", "int8"),
+    (["serve", "--quantization", "INT4"], "config.quantization", "int4"),
     (["serve", "--enable-prompt-tokens-details"], "args.enable_prompt_tokens_details", True),
     (["serve"], "args.structured_outputs_allow_additional_properties", False),
     (["serve", "--structured-outputs-allow-additional-properties"],
@@ -95,6 +97,8 @@ def test_bad_flags_are_one_clear_argparse_error(argv, message, capsys):
     (["serve", "--scheduler", "spf", "--scheduling-policy", "priority"], "disagree"),
     (["serve", "--quantization", "awq"], "quantization 'awq' is not implemented"),
     (["run", "--quantization", "gguf", "--model-impl", "transformers"], "runs pagedkv's own Llama"),
+    (["serve", "--quantization", "int4-g128"], "group 128 needs a block format"),
+    (["serve", "--quantization", "int8", "--tensor-parallel-size", "2"], "quantization int8 runs pagedkv's own"),
 ])
 def test_contradictions_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -35,6 +35,8 @@ TABLE = [
     ("float64", "cpu", FAST, None, F32),
     (BF16, "cpu", FAST, "gguf", F32),  # GGUF blocks: fp32 activations
     (None, "cpu", FAST, "gguf", F32),
+    (BF16, "cpu", FAST, "int8", F32),  # blocks made at load: the same kernels, fp32 activations
+    (BF16, "cpu", FAST, "int4", F32),
     (F16, "cuda", None, None, F16),  # CUDA keeps the checkpoint's
     (BF16, "cuda:0", None, None, BF16),
 ]

@@ -322,3 +322,38 @@ def test_a_side_run_ended_by_its_parents_exit_prints_nothing():
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
     assert err.splitlines() == ["engine: error: the paged run failed"], err
+
+
+def test_gpu_budget_counts_quantized_weight_bytes():
+    cfg = load_model_config(None)
+    full = gpu_kv_budget(cfg, 8 * 2**30, 0.9, "bfloat16")
+    for method, per_weight in (("int8", 34 / 32), ("int4", 20 / 32), ("Q4_1", 20 / 32)):
+        b = gpu_kv_budget(cfg, 8 * 2**30, 0.9, "bfloat16", quantization=method)
+        assert b["weight_bytes"] == int(b["params"] * per_weight)
+        assert b["kv_bytes"] == int(8 * 2**30 * 0.9) - b["weight_bytes"] > full["kv_bytes"]
+    with pytest.raises(SimulationError, match="--quantization 'int3'"):
+        gpu_kv_budget(cfg, 8 * 2**30, 0.9, "bfloat16", quantization="int3")
+
+
+def test_cli_quantized_weights_get_the_kv_blocks_they_free(capsys):
+    from pagedkv.cli.main import main
+
+    blocks = {}
+    for extra in ([], ["-q", "int8"], ["--quantization", "int4"]):
+        assert main(["simulate", "--num-requests", "5", "--gpu-memory", "4GiB", "--num-params", "1e9", "--json",
+                     *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        blocks[tuple(extra[1:])] = report["paged"]["num_blocks"]
+        per_block = report["paged"]["bytes_per_block"]
+    freed = 1e9 * (2 - 34 / 32)  # bf16 weights -> Q8_0 blocks
+    assert blocks[()] < blocks[("int8",)] < blocks[("int4",)]
+    assert blocks[("int8",)] - blocks[()] == pytest.approx(freed / per_block, abs=1)
+    assert main(["simulate", "--num-requests", "5", "-q", "awq"]) == 2
+    assert "--quantization 'awq'" in capsys.readouterr().err
+
+
+def test_quantized_weights_shorten_the_roofline_step():
+    from pagedkv.sim.simulate import default_step_time
+
+    full, int4 = (default_step_time(SimSetup(num_blocks=100, quantization=q)) for q in (None, "int4"))
+    assert int4.fixed < full.fixed

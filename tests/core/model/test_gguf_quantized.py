@@ -17,6 +17,7 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.model.gguf_loader import load_gguf_llama
+from pagedkv.core.model.native_loader import load_native_llama
 from pagedkv.core.model.quant_formats import FORMATS
 from pagedkv.core.model.quant_linear import QuantEmbedding, QuantLinear, weight_bytes
 from pagedkv.core.sample.sampling_params import SamplingParams
@@ -25,6 +26,10 @@ gguf = pytest.importorskip("gguf")
 from tiny_gguf import save_tiny_gguf  # noqa: E402 - needs gguf
 
 PROMPTS = random_prompts([5, 11, 3], seed=3)
+
+
+def load_native(path):
+    return load_native_llama(path, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -115,6 +120,23 @@ def test_other_types_are_dequantized_at_load_with_a_log_line(tmp_path, caplog):
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert isinstance(model.model.layers[0].mlp.gate_proj, QuantLinear)
     assert _greedy(_engine(gguf_dir, "cpu", "gguf")) == _greedy(_engine(fp32_dir, "cpu"))
+
+
+def test_k_quants_are_dequantized_at_load_with_a_log_line_naming_them(tmp_path, caplog):
+    """Q4_K / Q5_K / Q6_K (of Q4_K_M, Q5_K_M, Q6_K files) have no kernel here: de-quantized at load, said so."""
+    kinds = {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q5_K", "blk.2.ffn_down.weight": "Q6_K"}
+    gguf_dir, fp32_dir = save_tiny_gguf(tmp_path, "Q8_0", other=kinds, intermediate_size=256, num_hidden_layers=3)
+    with caplog.at_level(logging.INFO, logger="pagedkv.model"):
+        model = load_gguf_llama(gguf_dir, torch.float32, "cpu")
+    for name, kind in kinds.items():
+        assert f"{name} is {kind}, not a format kept quantized" in caplog.text
+    downs = [layer.mlp.down_proj for layer in model.model.layers]
+    assert all(type(m) is torch.nn.Linear for m in downs)
+    assert isinstance(model.model.layers[2].mlp.up_proj, QuantLinear)
+    fp32 = load_native(fp32_dir)
+    for ours, theirs in zip(downs, (layer.mlp.down_proj for layer in fp32.model.layers)):
+        assert ours.weight.abs().max() > 0 and torch.equal(ours.weight, theirs.weight)
+    assert _greedy(_engine(gguf_dir, "torch", "gguf")) == _greedy(_engine(fp32_dir, "torch"))
 
 
 @pytest.mark.parametrize("method", ["awq", "int3", "fp8"])
