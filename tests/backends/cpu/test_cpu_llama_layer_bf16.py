@@ -29,7 +29,9 @@ from pagedkv.backends.cpu.llama_layers import CpuLlamaLayers
 BF16_INPUTS = 2.0**-6
 
 
-@pytest.fixture(scope="module", params=build.checked_variants())
+# A new wrapper for every test (the library is built once): the scratch it keeps between calls is then made
+# under the poisoned_scratch fixture, so a value read before it is written shows in every test.
+@pytest.fixture(params=build.checked_variants())
 def layers(request) -> CpuLlamaLayers:
     lib = cpu_kernel_build(request.param)
     return CpuLlamaLayers(lib, CpuLinearKernel(lib))
