@@ -24,6 +24,8 @@ def _count_registration(module: Any, name: str, param: Any) -> None:
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
+_KEPT_SCRATCH_ROWS = 16  # scratch of calls up to this many rows is kept between calls (decode steps)
+
 
 @dataclass(frozen=True, slots=True)
 class _LayerPlan:
@@ -60,6 +62,11 @@ class CpuLlamaLayers:
             torch.float32,)
         self._plans: weakref.WeakKeyDictionary[Any, _LayerPlan] = weakref.WeakKeyDictionary()
         self._last: tuple[Any, _LayerPlan] | None = None  # (layer, plan) of the last accepts
+        # Per-step reuse (a batch-1 step makes ~10 small torch calls a layer around two kernel calls, ~1 us each,
+        # a measurable share of a 9 ms bf16 step): the fp32 rotary tables of the step's cos/sin (one pair for
+        # every layer), and the calls' scratch by shape (the kernel only writes and reads it within a call).
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
 
     def accepts(self, layer: Any, h: torch.Tensor) -> bool:
         """Contiguous CPU activations and CPU weights without biases, all fp32 or all bf16 (what the kernel
@@ -78,12 +85,13 @@ class CpuLlamaLayers:
         plan = self._plan(layer)
         rows, dim = h.shape[-2], h.shape[-1]
         nq, nkv, head_dim = plan.nq, plan.nkv, plan.head_dim
-        qkv = torch.empty((rows, nq + 2 * nkv), dtype=torch.float32)
-        xn = torch.empty((self._scratch_rows(rows), dim), dtype=torch.float32)
         bf16 = plan.dtype == torch.bfloat16
+        # fp32 returns views of qkv (a new tensor); bf16 returns a rounded copy, so its fp32 qkv is scratch
+        qkv = self._buffer(rows, nq + 2 * nkv) if bf16 else torch.empty((rows, nq + 2 * nkv), dtype=torch.float32)
+        xn = self._buffer(self._scratch_rows(rows), dim)
         if bf16:  # (the kernel's activations are fp32)
             h = h.float()
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cos, sin = self._fp32_tables(cos, sin)
         call = (self.lib.pagedkv_cpu_llama_attention_inputs_bf16 if bf16
                 else self.lib.pagedkv_cpu_llama_attention_inputs)
         rc = call(
@@ -94,9 +102,8 @@ class CpuLlamaLayers:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, q={nq}, kv={nkv}, head_dim={head_dim}")
         if bf16:
             qkv = qkv.to(torch.bfloat16)
-        q = qkv[:, :nq].view(rows, nq // head_dim, head_dim)
-        k = qkv[:, nq:nq + nkv].view(rows, nkv // head_dim, head_dim)
-        v = qkv[:, nq + nkv:].view(rows, nkv // head_dim, head_dim)
+        heads, kv_heads = nq // head_dim, nkv // head_dim
+        q, k, v = qkv.view(rows, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=1)
         return q, k, v
 
     def mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -109,8 +116,7 @@ class CpuLlamaLayers:
         if attn_out.dtype != torch.float32 or not attn_out.is_contiguous():
             attn_out = attn_out.float().contiguous()
         scratch = self._scratch_rows(rows)
-        xn = torch.empty((scratch, dim), dtype=torch.float32)
-        gu = torch.empty((scratch, 2 * inter), dtype=torch.float32)
+        xn, gu = self._buffer(scratch, dim), self._buffer(scratch, 2 * inter)
         wqkv, wo, wgu, wdown, _, norm = plan.pointers
         bf16 = plan.dtype == torch.bfloat16
         hf = h.float() if bf16 else h  # (the kernel's activations are fp32; h is updated in place)
@@ -124,6 +130,25 @@ class CpuLlamaLayers:
         if bf16:
             h.copy_(hf)
         return h
+
+    def _fp32_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` as contiguous fp32, converted once for all the layers of a step (the model makes one
+        pair a step; holding them keeps their ids from being reused)."""
+        tables = self._tables
+        if tables is None or tables[0] is not cos or tables[1] is not sin:
+            tables = (cos, sin, cos.float().contiguous(), sin.float().contiguous())
+            self._tables = tables
+        return tables[2], tables[3]
+
+    def _buffer(self, rows: int, cols: int) -> torch.Tensor:
+        """An fp32 ``[rows, cols]`` scratch tensor: for a decode step's few rows the same one for every call of that
+        shape (a bounded set), otherwise a new one."""
+        if rows > _KEPT_SCRATCH_ROWS:
+            return torch.empty((rows, cols), dtype=torch.float32)
+        buf = self._scratch.get((rows, cols))
+        if buf is None:
+            buf = self._scratch[(rows, cols)] = torch.empty((rows, cols), dtype=torch.float32)
+        return buf
 
     def _scratch_rows(self, rows: int) -> int:
         """Rows of scratch a call needs: the kernel goes through a long input a chunk of rows at a time (a library

@@ -27,7 +27,9 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=build.checked_variants())
+# A new wrapper for every test (the library is built once): the scratch it keeps between calls is then made
+# under the poisoned_scratch fixture, so a value read before it is written shows in every test.
+@pytest.fixture(params=build.checked_variants())
 def layers(request) -> CpuLlamaLayers:
     isa = request.param
     lib = cpu_kernel_build(isa)
