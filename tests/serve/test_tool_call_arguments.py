@@ -28,4 +28,5 @@ def test_deeply_nested_arguments_are_a_400_not_a_recursion_error(depth: int) -> 
 
 def test_valid_arguments_are_parsed_for_the_template() -> None:
     assert parsed_call(_call('{"city": "Paris"}'))["function"]["arguments"] == {"city": "Paris"}
-    assert parsed_call({"function": {"name": "f", "arguments": {"already": 1}}})["function"]["arguments"] == {"already": 1}
+    already = {"function": {"name": "f", "arguments": {"already": 1}}}
+    assert parsed_call(already)["function"]["arguments"] == {"already": 1}
