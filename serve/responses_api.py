@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.serve.answer_json import encode_json
 from pagedkv.serve.api.errors import InvalidField
 from pagedkv.serve.api.responses_request import ResponsesRequest, responses_error
 from pagedkv.serve.http.admission import check_chars, encode_chat_request, validated_body
@@ -57,4 +58,12 @@ async def _respond(state: Any, request: Request, answer: Answer) -> Response:
         return StreamingResponse(response_events(head, answered.body_iterator), media_type="text/event-stream")
     if not isinstance(answered, JSONResponse) or answered.status_code != 200:
         return answered  # an error envelope (503 queue full, 500) or a client that left (499): as chat sends it
-    return JSONResponse(response_from_chat(head, json.loads(bytes(answered.body))))
+    # the chat answer is re-read and re-spelt off the event loop (a big one took the loop for as long as chat's
+    # own encoding, which already runs on the answer pool)
+    content = await loop.run_in_executor(state.answer_pool, _respelt, head, bytes(answered.body))
+    return Response(content, media_type="application/json")
+
+
+def _respelt(head: ResponseHead, chat_answer: bytes) -> bytes:
+    """Chat's JSON answer as a Responses ``response`` object's JSON bytes (on a worker thread)."""
+    return encode_json(response_from_chat(head, json.loads(chat_answer)))

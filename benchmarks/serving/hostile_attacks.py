@@ -270,3 +270,160 @@ def big_tokenize(run: AttackRun) -> None:
                 turn += 1
 
     run.in_threads(4, loop)
+
+
+# --- issue 42: templates, grammars, tools, priority -------------------------------------------------------------------
+
+_CHAT = "/v1/chat/completions"
+_HI = [{"role": "user", "content": "hi"}]
+
+
+def _labelled(run: AttackRun, label: str, path: str, body: object, client: httpx.Client | None = None) -> None:
+    got = run.post(path, body, client)
+    run.record(f"{label} {got.status_code if isinstance(got, httpx.Response) else got}")
+
+
+@attack("request-template", "2 clients sending chat_template: the issue's nested loop and {{ 'x' * 300000000 }} "
+        "(400 unless the server runs --trust-request-chat-template; then killed in the sandbox: a 400 on its limits)")
+def request_template(run: AttackRun) -> None:
+    loop = "{% for a in range(99999) %}{% for b in range(99999) %}{{ a }}{% endfor %}{% endfor %}"
+    templates = {"loop": loop, "huge": "{{ 'x' * 300000000 }}"}
+
+    def go(label: str) -> Callable[[], None]:
+        def post() -> None:
+            while run.going():
+                time.sleep(run.pause)
+                _labelled(run, label, _CHAT, {"messages": _HI, "max_tokens": 4, "chat_template": templates[label]})
+        return post
+
+    threads = [threading.Thread(target=go(label)) for label in templates]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+@attack("big-grammar", "2 clients posting a 0.4 MB literal grammar (400: --max-grammar-bytes) and a 100 KB one "
+        "(accepted: its masks must not stretch the bystander's steps)")
+def big_grammar(run: AttackRun) -> None:
+    huge = {"prompt": "a", "max_tokens": 32, "structured_outputs": {"grammar": 'start: "' + "ab" * 200_000 + '"'}}
+    big = {"prompt": "a", "max_tokens": 32, "structured_outputs": {"grammar": 'start: "' + "ab" * 50_000 + '"'}}
+    bodies = [json.dumps(huge).encode(), json.dumps(big).encode()]
+
+    def loop(body: bytes, label: str) -> Callable[[], None]:
+        def go() -> None:
+            while run.going():
+                time.sleep(run.pause)
+                _labelled(run, label, "/v1/completions", body)
+        return go
+
+    threads = [threading.Thread(target=loop(bodies[0], "0.4MB")), threading.Thread(target=loop(bodies[1], "100KB"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+@attack("many-grammars", "4 clients posting distinct 20 KB json schemas, each compiled once "
+        "(the grammar cache is bounded by --grammar-cache-bytes: RSS settles)")
+def many_grammars(run: AttackRun) -> None:
+    counter = iter(range(10**9))
+    lock = threading.Lock()
+
+    def loop() -> None:
+        with httpx.Client(timeout=120) as client:
+            while run.going():
+                time.sleep(run.pause)
+                with lock:
+                    n = next(counter)
+                props = {f"f{n}_{i}": {"type": "string", "maxLength": 8} for i in range(600)}
+                schema = {"type": "object", "properties": props, "required": [f"f{n}_0"]}
+                body = {"prompt": "a", "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema":
+                        {"name": f"s{n}", "schema": schema}}}
+                run.record(run.post("/v1/completions", body, client))
+
+    run.in_threads(4, loop)
+
+
+@attack("slow-compile", "1 client posting a 100,000-item choice (400: --max-grammar-bytes / the compile timeout) "
+        "while another posts cheap regexes that must not wait behind it")
+def slow_compile(run: AttackRun) -> None:
+    choice = {"prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [f"w{i}" for i in range(100_000)]}}
+    cheap = {"prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "[ab]{1,4}"}}
+    waits: list[float] = []
+
+    def heavy() -> None:
+        while run.going():
+            time.sleep(run.pause)
+            _labelled(run, "choice", "/v1/completions", choice)
+
+    def light() -> None:
+        while run.going():
+            time.sleep(run.pause)
+            started = time.monotonic()
+            _labelled(run, "regex", "/v1/completions", cheap)
+            waits.append(time.monotonic() - started)
+
+    threads = [threading.Thread(target=heavy), threading.Thread(target=light)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if waits:
+        run.record(f"regex max {max(waits):.2f}s")
+
+
+def _deep(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+@attack("tool-text", "the model is random, so tools force the shape: a named tool with a self-nesting schema "
+        "(streamed and not, through the hermes parser), and history tool calls with 1,000- and 100,000-deep or "
+        "invalid arguments (400, never 500)")
+def tool_text(run: AttackRun) -> None:
+    nest = {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"$ref": "#"}]}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": nest}}]
+    forced = {"messages": _HI, "max_tokens": 48, "tools": tools, "ignore_eos": True,
+              "tool_choice": {"type": "function", "function": {"name": "f"}}}
+
+    def history(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {"messages": [*_HI, {"role": "assistant", "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 4, "tools": tools}
+
+    bodies = [("forced", forced), ("forced-stream", {**forced, "stream": True}),
+              ("history-1000", history(_deep(1000))), ("history-100000", history(_deep(100_000))),
+              ("history-invalid", history('{"city": "Par'))]
+
+    def loop() -> None:
+        with httpx.Client(timeout=120) as client:
+            turn = 0
+            while run.going():
+                time.sleep(run.pause)
+                label, body = bodies[turn % len(bodies)]
+                _labelled(run, label, _CHAT, body, client)
+                turn += 1
+
+    run.in_threads(2, loop)
+
+
+@attack("priority", "a flood of priority 10 then priority -1000 requests (the server runs --scheduling-policy "
+        "priority), and priorities out of range: -10**4000 and 10**30 (400)")
+def priority(run: AttackRun) -> None:
+    half = run.until - (run.until - time.monotonic()) / 2
+
+    def loop() -> None:
+        with httpx.Client(timeout=120) as client:
+            while run.going():
+                time.sleep(run.pause)
+                level = 10 if time.monotonic() < half else -1000
+                _labelled(run, f"p{level}", "/v1/completions",
+                          {"prompt": "a", "max_tokens": 16, "ignore_eos": True, "priority": level}, client)
+
+    def out_of_range() -> None:
+        for label, raw in (("p-10**4000", b'{"prompt": "a", "priority": -' + b"9" * 4000 + b"}"),
+                           ("p10**30", b'{"prompt": "a", "priority": 1' + b"0" * 30 + b"}")):
+            _labelled(run, label, "/v1/completions", raw)
+
+    run.in_threads(1, out_of_range)
+    run.in_threads(4, loop)

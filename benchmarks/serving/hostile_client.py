@@ -3,7 +3,8 @@
     python benchmarks/serving/hostile_client.py                 # tiny random Llama with SmolLM2's tokenizer
     python benchmarks/serving/hostile_client.py --seconds 8 --json out.json
 
-It starts one server (under ``ulimit -n 256``, the default limits of ``engine serve``),
+It starts one server (under ``ulimit -n 256``, the default limits of ``engine serve``, with
+``--scheduling-policy priority --tool-call-parser hermes`` for the priority and tool-text attacks),
 then runs a quiet phase and one phase per attack. In every phase a well-behaved client (the
 bystander) streams greedy completions on a kept-alive connection and a prober GETs ``/health``
 every 50 ms; the attack runs from its own process, so it cannot slow the measuring one. The
@@ -76,11 +77,16 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
-def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+# the priority and tool-text attacks need these; --trust-request-chat-template is the runner's own flag
+SERVE_FEATURES = ["--scheduling-policy", "priority", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+
+
+def start_server(model: Path, log: Path, extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     engine = Path(sys.executable).with_name("engine")
     cmd = [str(engine), "serve", "--model", str(model), "--port", str(port), "--device", "cpu", "--num-blocks", "512",
-           "--block-size", "16", "--threads", "1", "--log-level", os.environ.get("HOSTILE_LOG_LEVEL", "warning")]
+           "--block-size", "16", "--threads", "1", "--log-level", os.environ.get("HOSTILE_LOG_LEVEL", "warning"),
+           *SERVE_FEATURES, *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), preexec_fn=_low_fd_limit)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -250,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=0.2,
                         help="seconds each posting attacker waits between requests (0: flat out)")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="start the server with this flag (request-template: rendered in the sandbox, not 400)")
     args = parser.parse_args(argv)
     if args.list:
         for name, entry in REGISTRY.items():
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedkv-hostile-") as tmp:
         model = tiny_model_dir(Path(tmp) / "model")
         log = Path(tmp) / "server.log"
-        proc, url = start_server(model, log)
+        trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
+        proc, url = start_server(model, log, trust)
         server = Server(url, proc.pid, log)
         rows = []
         try:

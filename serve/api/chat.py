@@ -142,8 +142,11 @@ def parsed_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
-        raise InvalidField("messages", "a tool call's function.arguments must be a JSON string") from None
+    except RecursionError:  # not a ValueError: it used to escape as a 500
+        raise InvalidField("messages", "a tool call's function.arguments is nested too deeply") from None
+    except ValueError as exc:  # the string is there; its text is not JSON (say where, not "must be a string")
+        where = f"{exc.msg} at character {exc.pos}" if isinstance(exc, json.JSONDecodeError) else str(exc)[:80]
+        raise InvalidField("messages", f"a tool call's function.arguments is not valid JSON ({where})") from None
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -293,3 +293,25 @@ def test_the_agents_sdk_default_model_runs_a_tool_round_trip(served):
     final = asyncio.run(run())
     assert len(cities) == 3 and all(3 <= len(city) <= 6 for city in cities)
     assert len(final) == 3
+
+
+def test_a_non_streamed_response_is_respelt_off_the_event_loop(served, monkeypatch):
+    # issue 42: the chat answer was json.loads-ed and re-encoded on the event loop; a recorder around the re-spelling
+    # says which thread did it (the answer pool's, never the server's loop thread)
+    import threading
+
+    from pagedkv.serve import responses_api
+
+    threads: list[str] = []
+    original = responses_api.response_from_chat
+
+    def recording(head, answer):
+        threads.append(threading.current_thread().name)
+        return original(head, answer)
+
+    monkeypatch.setattr(responses_api, "response_from_chat", recording)
+    got = httpx.post(served[0] + "/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 3},
+                     timeout=60)
+    assert got.status_code == 200 and got.json()["object"] == "response"
+    assert got.headers["content-type"].startswith("application/json")
+    assert threads and all(name.startswith("pagedkv-answer") for name in threads), threads
