@@ -48,7 +48,7 @@ def measure(server: Server, port: int, counts: list[int], args: argparse.Namespa
             requests = workload(args.stream_requests if one_at_a_time else n, math.inf, args.min_output,
                                 args.max_output, args.seed)
             summary = asyncio.run(run_workload(urls, requests, args.timeout, one_at_a_time))
-            rows.append({"server": server.label, "requests": n, "load": load, **summary})
+            rows.append(row(server, n, load, summary))
             print(f"  {server.label:<20} {n:>4} chats: {summary['output_tok_per_s']:7.1f} tok/s, one stream "
                   f"{summary['stream_tok_per_s_p50']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, "
                   f"ok {summary['ok']}/{len(requests)}, load before {load:.1f}", flush=True)
@@ -56,6 +56,11 @@ def measure(server: Server, port: int, counts: list[int], args: argparse.Namespa
         for _, proc in started:
             stop(proc)
     return rows
+
+
+def row(server: Server, chats: int, load: float, summary: dict) -> dict:
+    """One table row's data; ``chats`` is kept apart from the summary's ``requests`` (batch 1 sends several)."""
+    return {"server": server.label, "load": load, **summary, "chats": chats}
 
 
 def reference_of(server: Server, servers: list[Server], reference: str) -> Server | None:
@@ -67,7 +72,7 @@ def table(rows: list[dict], servers: list[Server], counts: list[int], reference:
     lines = ["| server | weights | chats | output tok/s | one stream tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | "
              f"ITL p99 ms | load | x {reference} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in counts:
-        mine = {s.label: [r for r in rows if r["server"] == s.label and r["requests"] == n] for s in servers}
+        mine = {s.label: [r for r in rows if r["server"] == s.label and r["chats"] == n] for s in servers}
         for s in servers:
             got = mine[s.label]
             if not got:

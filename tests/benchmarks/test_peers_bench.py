@@ -46,16 +46,24 @@ def test_ratio_column_is_against_vllm_of_the_same_run_and_weights(peers_bench):
                Server("pagedkv-auto", [], {}, engine="pagedkv"),
                Server("pagedkv-auto-bf16", [], {}, engine="pagedkv", weights="bf16"),
                Server("llamacpp", [], {}, missing="not installed (x)", engine="llamacpp")]
-    rows = [{"server": "vllm", "requests": 32, "output_tok_per_s": 90.0, **ROW},
-            {"server": "vllm", "requests": 32, "output_tok_per_s": 100.0, **ROW},
-            {"server": "vllm-bf16", "requests": 32, "output_tok_per_s": 200.0, **ROW},
-            {"server": "pagedkv-auto", "requests": 32, "output_tok_per_s": 142.5, **ROW},
-            {"server": "pagedkv-auto-bf16", "requests": 32, "output_tok_per_s": 100.0, **ROW}]
+    rows = [{"server": "vllm", "chats": 32, "output_tok_per_s": 90.0, **ROW},
+            {"server": "vllm", "chats": 32, "output_tok_per_s": 100.0, **ROW},
+            {"server": "vllm-bf16", "chats": 32, "output_tok_per_s": 200.0, **ROW},
+            {"server": "pagedkv-auto", "chats": 32, "output_tok_per_s": 142.5, **ROW},
+            {"server": "pagedkv-auto-bf16", "chats": 32, "output_tok_per_s": 100.0, **ROW}]
     table = peers_bench.table(rows, servers, [32])
     assert "| vllm | fp32 | 32 | 95.0 | 20.0 | 1.00 | 2.00 | 50 | 100 | 1.5/1.5 | 1.00 |" in table  # median of rounds
     assert "| pagedkv-auto | fp32 | 32 | 142.5 | 20.0 | 1.00 | 2.00 | 50 | 100 | 1.5 | 1.50 |" in table
     assert "| pagedkv-auto-bf16 | bf16 | 32 | 100.0 | 20.0 | 1.00 | 2.00 | 50 | 100 | 1.5 | 0.50 |" in table
     assert "| llamacpp | fp32 | 32 | skipped: not installed (x)" in table
+
+
+def test_batch_1_row_is_filed_under_one_chat_though_it_sends_several(peers_bench):
+    server = peers_bench.Server("pagedkv-cpu", [], {}, engine="pagedkv")
+    summary = {"requests": 6, "ok": 6, "output_tok_per_s": 30.0, **ROW}
+    table = peers_bench.table([peers_bench.row(server, 1, 1.5, summary)], [server], [1])
+    assert "| pagedkv-cpu | fp32 | 1 | 30.0 | 20.0 | 1.00 | 2.00 | 50 | 100 | 1.5 | n/a (vllm fp32 not measured) |" \
+        in table
 
 
 def test_unknown_peer_is_one_clear_error(peers_bench):
