@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 TOPICS = [
@@ -126,16 +126,28 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def run_workload(url: str | list[str], requests: list[Request], timeout: float) -> dict[str, Any]:
-    """Send ``requests`` (request i to ``urls[i % len(urls)]`` when given several servers) and summarise."""
+def stream_rate(result: Result) -> float:
+    """Tokens/s of one stream after its first token: what one user waiting on it sees (NaN under two tokens)."""
+    decode = result.e2e - result.ttft
+    return (result.output_tokens - 1) / decode if result.output_tokens > 1 and decode > 0 else math.nan
+
+
+async def run_workload(url: str | list[str], requests: list[Request], timeout: float,
+                       one_at_a_time: bool = False) -> dict[str, Any]:
+    """Send ``requests`` (request i to ``urls[i % len(urls)]`` when given several servers) and summarise;
+    ``one_at_a_time``: each is sent when the one before has ended (batch 1), arrival times ignored."""
     import httpx
 
     urls = [url] if isinstance(url, str) else list(url)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as client:
         model = (await client.get(urls[0] + "/v1/models")).json()["data"][0]["id"]
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, urls[i % len(urls)], model, r, start)
-                                         for i, r in enumerate(requests)))
+        if one_at_a_time:
+            results = [await one(client, urls[i % len(urls)], model, replace(r, arrival=0.0), time.perf_counter())
+                       for i, r in enumerate(requests)]
+        else:
+            results = await asyncio.gather(*(one(client, urls[i % len(urls)], model, r, start)
+                                             for i, r in enumerate(requests)))
         elapsed = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
@@ -148,6 +160,7 @@ async def run_workload(url: str | list[str], requests: list[Request], timeout: f
                          ("e2e", [r.e2e for r in ok])):
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_s"] = round(percentile(values, q), 4)
+    summary["stream_tok_per_s_p50"] = round(percentile([stream_rate(r) for r in ok], 50), 2)
     return summary
 
 
