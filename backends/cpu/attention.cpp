@@ -58,8 +58,10 @@ __attribute__((always_inline)) inline float exp2_neg(float x) {
   return p * scale;
 }
 
+constexpr int kInt8Cache = 2;  // Params::dtype of the int8-cache decode (decode_int8.h)
+
 struct Params {
-  int dtype;  // 0 = float32, 1 = bfloat16 (query, caches and output)
+  int dtype;  // 0 = float32, 1 = bfloat16 (query, caches and output); kInt8Cache: int8 rows, fp32 q/out
   const void* q;
   int64_t q_tok_stride, q_head_stride;  // in elements; head_dim is contiguous
   const void* k_cache;

@@ -26,10 +26,12 @@ struct DecodeHead {
   vfloat sum;
 };
 
+// Per-thread scratch of a decode unit, for every cache format.
 struct DecodeScratch {
   std::vector<float> q, acc;
   std::vector<DecodeHead> head;
-  std::vector<int64_t> off;  // element offsets of the rows of the steps in flight (ring)
+  // offsets of the rows of the steps in flight (ring): in elements, or in bytes for int8 rows (decode_int8.h)
+  std::vector<int64_t> off;
 };
 
 // Walks the K and V rows of a later step in address order (all the unit's heads of a
@@ -55,16 +57,18 @@ struct PrefetchCursor {
   }
 };
 
-// The scores of inputs [base, base + 2^Depth) for GB heads, built depth first as the leaves come
-// (leaf(i, out) computes input i's partial vectors), so only log2(kLanes) partial sums a head are live.
-template <int GB, int Depth = kLaneBits, typename Leaf>
+// The scores of inputs [base, base + 2^Depth) for GB heads, built depth first as the leaves come, so only
+// log2(kLanes) partial sums a head are live. A leaf covers 2^LeafDepth inputs: leaf(i, out) computes inputs
+// [i, i + 2^LeafDepth) already joined at the tree's first LeafDepth levels (the int8 kernel's leaves are key
+// pairs, so each query vector it loads from L1 serves two K rows; the float kernels' are single keys).
+template <int GB, int Depth = kLaneBits, int LeafDepth = 0, typename Leaf>
 inline void tree_of_leaves(Leaf& leaf, int base, vfloat* out) {
-  if constexpr (Depth == 0) {
+  if constexpr (Depth == LeafDepth) {
     leaf(base, out);
   } else {
     vfloat a[GB], b[GB];
-    tree_of_leaves<GB, Depth - 1>(leaf, base, a);
-    tree_of_leaves<GB, Depth - 1>(leaf, base + (1 << (Depth - 1)), b);
+    tree_of_leaves<GB, Depth - 1, LeafDepth>(leaf, base, a);
+    tree_of_leaves<GB, Depth - 1, LeafDepth>(leaf, base + (1 << (Depth - 1)), b);
     for (int g = 0; g < GB; ++g) out[g] = tree_level<(kLanes >> Depth)>(a[g], b[g]);
   }
 }

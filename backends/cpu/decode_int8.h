@@ -1,6 +1,7 @@
 // Decode attention over an int8 KV cache (--kv-cache-dtype int8), included by attention.cpp after the
-// float kernels, whose decode machinery (decode.h: prefetch cursor, shuffle-tree scores, online softmax
-// state) and vector layer (simd.h: load_row<int8_t> widens kLanes int8 values in registers) it uses.
+// float kernels, whose decode machinery it shares (attention.cpp's Params and Unit; decode.h: DecodeScratch,
+// prefetch cursor, tree_of_leaves with key-pair leaves, online softmax state), with simd.h's vector layer
+// (load_row<int8_t> widens kLanes int8 values in registers).
 //
 // Why it looks the way it does: decode at long context is memory-bound, so the point is to read 1 byte
 // per value instead of 4 and not to lose that to arithmetic. Each row (head_dim int8 values and its scale
@@ -27,46 +28,6 @@ inline int64_t row_bytes(int head_dim) { return head_dim + 1; }
 
 constexpr int kKeys = 2 * kLanes;  // keys a step: two shuffle trees, one softmax update and rescale
 constexpr int kInt8MaxPass = 4;  // query heads per pass: GB scores x log2(kLanes) tree levels stay in registers
-
-struct Args {
-  const float* q;
-  int64_t q_tok_stride, q_head_stride;
-  const int8_t* k_cache;
-  const int8_t* v_cache;
-  float* out;
-  const int32_t* block_tables;
-  int64_t bt_stride;
-  const int32_t* seq_lens;
-  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  int window;
-  float softcap;
-};
-
-struct Unit8 {
-  int seq, h0, h1;  // one sequence's query token, KV heads [h0, h1)
-};
-
-struct Scratch8 {
-  std::vector<float> q, acc;
-  std::vector<DecodeHead> head;
-  std::vector<int64_t> off;  // byte offsets of the token rows of the steps in flight (ring)
-};
-
-// The scores of inputs [base, base + 2^Depth) for GB heads, as decode.h's tree_of_leaves but with leaves
-// in pairs: pair(i, out) computes inputs i and i + 1 and joins them at the tree's first level, so each query
-// vector loaded from L1 serves two K rows.
-template <int GB, int Depth, typename Pair>
-inline void pair_tree(Pair& pair, int base, vfloat* out) {
-  if constexpr (Depth == 1) {
-    pair(base, out);
-  } else {
-    vfloat a[GB], b[GB];
-    pair_tree<GB, Depth - 1>(pair, base, a);
-    pair_tree<GB, Depth - 1>(pair, base + (1 << (Depth - 1)), b);
-    for (int g = 0; g < GB; ++g) out[g] = tree_level<(kLanes >> Depth)>(a[g], b[g]);
-  }
-}
 
 // Vectors of a P.V slice: its GB x SL accumulators, the GB broadcast weights of a key and one widened V
 // vector in registers (AVX2: 4 for up to three heads, so each weight is broadcast once for 4 vectors).
@@ -111,7 +72,7 @@ inline void step(const float* q, const int8_t* const* kr, const int8_t* const* v
       }
       for (int g = 0; g < GB; ++g) out[g] = tree_level<kLanes / 2>(a0[g], a1[g]);
     };
-    pair_tree<GB, kLaneBits>(pair, 0, s[c]);
+    tree_of_leaves<GB, kLaneBits, 1>(pair, 0, s[c]);
   }
 
   const vfloat ninf = vfloat{} - INFINITY;
@@ -179,26 +140,22 @@ inline void pass(int gb, const float* q, const int8_t* const* kr, const int8_t* 
 // The query token of sequence u.seq (position seq_len - 1) against its visible keys, KV heads [h0, h1):
 // kKeys keys a step, the rows kDecodeAhead keys on prefetched into L2 meanwhile (decode.h).
 template <int DT>
-void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
+void run_unit(const Params& a, const Unit& u, DecodeScratch& w) {
   static_assert(DT % kLanes == 0 && DT <= 256, "int8 decode: head dims that are whole vectors");
   const int G = a.num_heads / a.num_kv_heads;
   const int nh = u.h1 - u.h0;
-  const int len = a.seq_lens[u.seq];
+  const int len = a.context_lens[u.seq] + u.t0 + 1;  // keys up to the query token's own
   const int lo = a.window > 0 ? std::max(0, len - a.window) : 0;
   const int64_t row = row_bytes(DT);
   const int64_t token_stride = row * a.num_kv_heads;
   const int64_t block_stride = token_stride * a.block_size;
   const int32_t* table = a.block_tables + static_cast<int64_t>(u.seq) * a.bt_stride;
-  const int8_t* kc = a.k_cache + u.h0 * row;
-  const int8_t* vc = a.v_cache + u.h0 * row;
+  const int8_t* kc = static_cast<const int8_t*>(a.k_cache) + u.h0 * row;
+  const int8_t* vc = static_cast<const int8_t*>(a.v_cache) + u.h0 * row;
 
   const int rows = nh * G;  // query heads h0 * G + r
-  const float qscale = a.softcap > 0.0f ? a.scale : a.scale * kLog2e;  // exp2 softmax; capping in natural units
   w.q.resize(static_cast<size_t>(rows) * DT);
-  for (int r = 0; r < rows; ++r) {
-    const float* src = a.q + u.seq * a.q_tok_stride + static_cast<int64_t>(u.h0 * G + r) * a.q_head_stride;
-    for (int d = 0; d < DT; ++d) w.q[static_cast<size_t>(r) * DT + d] = src[d] * qscale;
-  }
+  scaled_queries<float>(a, u, DT, w.q.data());  // one token: row r is query head h0 * G + r
   w.acc.assign(static_cast<size_t>(rows) * DT, 0.0f);
   w.head.assign(rows, DecodeHead{-INFINITY, vfloat{}});
 
@@ -239,7 +196,7 @@ void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
     }
   }
 
-  float* dst = a.out + (static_cast<int64_t>(u.seq) * a.num_heads + u.h0 * G) * DT;
+  float* dst = static_cast<float*>(a.out) + (static_cast<int64_t>(a.query_start_loc[u.seq] + u.t0) * a.num_heads + u.h0 * G) * DT;
   for (int r = 0; r < rows; ++r) {
     const float total = add_lanes(w.head[r].sum);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
@@ -248,25 +205,25 @@ void run_unit(const Args& a, const Unit8& u, Scratch8& w) {
 }
 
 template <int DT>
-void run(const Args& a, int threads) {
+void run(const Params& a, int threads) {
   // One unit a sequence (its KV heads' rows of a token are adjacent); heads apart only when too few to go round.
   const int split = a.num_seqs >= 4 * threads ? 1 : a.num_kv_heads;
-  std::vector<Unit8> units;
+  std::vector<Unit> units;
   units.reserve(static_cast<size_t>(a.num_seqs) * split);
   for (int s = 0; s < a.num_seqs; ++s)
     for (int part = 0; part < split; ++part)
-      units.push_back({s, part * a.num_kv_heads / split, (part + 1) * a.num_kv_heads / split});
+      units.push_back({s, 0, 1, part * a.num_kv_heads / split, (part + 1) * a.num_kv_heads / split});
   const int n = static_cast<int>(units.size());
 #pragma omp parallel num_threads(threads)
   {
-    Scratch8 w;
+    DecodeScratch w;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) run_unit<DT>(a, units[i], w);
   }
 }
 
 // Any head dim: per key, each row widened once into a float buffer for the group's heads.
-void run_general(const Args& a, int threads) {
+void run_general(const Params& a, int threads) {
   const int group = a.num_heads / a.num_kv_heads;
   const int dim = a.head_dim;
   const int64_t row = row_bytes(dim);
@@ -280,12 +237,13 @@ void run_general(const Args& a, int threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; ++u) {
       const int s = u / a.num_kv_heads, kvh = u % a.num_kv_heads;
-      const int len = a.seq_lens[s];
+      const int len = a.context_lens[s] + 1;
       const int lo = a.window > 0 ? std::max(0, len - a.window) : 0;
       const int n = len - lo;
       const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.bt_stride;
       for (int g = 0; g < group; ++g) {
-        const float* src = a.q + s * a.q_tok_stride + static_cast<int64_t>(kvh * group + g) * a.q_head_stride;
+        const float* src = static_cast<const float*>(a.q) + a.query_start_loc[s] * a.q_tok_stride +
+                           static_cast<int64_t>(kvh * group + g) * a.q_head_stride;
         for (int d = 0; d < dim; ++d) qs[g * dim + d] = src[d] * a.scale;
       }
       scores.resize(static_cast<size_t>(group) * std::max(n, 1));
@@ -295,7 +253,7 @@ void run_general(const Args& a, int threads) {
                (pos % a.block_size) * token_stride + kvh * row;
       };
       for (int i = 0; i < n; ++i) {
-        const int8_t* k = row_at(a.k_cache, lo + i);
+        const int8_t* k = row_at(static_cast<const int8_t*>(a.k_cache), lo + i);
         const float ks = row_scale(k, dim);
         for (int d = 0; d < dim; ++d) wide[d] = static_cast<float>(k[d]);
         for (int g = 0; g < group; ++g) {
@@ -316,7 +274,7 @@ void run_general(const Args& a, int threads) {
           sums[g] += e;
         }
       for (int i = 0; i < n; ++i) {
-        const int8_t* v = row_at(a.v_cache, lo + i);
+        const int8_t* v = row_at(static_cast<const int8_t*>(a.v_cache), lo + i);
         const float vs = row_scale(v, dim);
         for (int d = 0; d < dim; ++d) wide[d] = static_cast<float>(v[d]);
         for (int g = 0; g < group; ++g) {
@@ -326,7 +284,7 @@ void run_general(const Args& a, int threads) {
         }
       }
       for (int g = 0; g < group; ++g) {
-        float* dst = a.out + (static_cast<int64_t>(s) * a.num_heads + kvh * group + g) * dim;
+        float* dst = static_cast<float*>(a.out) + (static_cast<int64_t>(a.query_start_loc[s]) * a.num_heads + kvh * group + g) * dim;
         const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;
         for (int d = 0; d < dim; ++d) dst[d] = acc[g * dim + d] * inv;
       }
@@ -344,9 +302,15 @@ int pagedkv_cpu_decode_int8(const float* q, int64_t q_tok_stride, int64_t q_head
                             const int8_t* v_cache, float* out, const int32_t* block_tables, int64_t bt_stride,
                             const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, float scale, int window, float softcap, int threads) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
-  pagedkv_int8::Args a{q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride, seq_lens,
-                       num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap};
+  if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    return 1;
+  // The shared decode parameters: the query token of sequence s is row s at position seq_lens[s] - 1.
+  std::vector<int32_t> context(num_seqs), start(num_seqs + 1);
+  for (int s = 0; s <= num_seqs; ++s) start[s] = s;
+  for (int s = 0; s < num_seqs; ++s) context[s] = seq_lens[s] - 1;
+  const Params a{kInt8Cache, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
+                 context.data(), start.data(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                 scale, window, softcap};
   threads = std::max(1, threads);
   const bool whole = head_dim % kLanes == 0;
   switch (whole ? head_dim : 0) {
