@@ -1,7 +1,5 @@
 // The decode kernel: work units with one query token (every decode step, and the
-// last token of a prefill tile). Included by attention.cpp inside its anonymous
-// namespace, after the helpers it uses (vfloat, load, store, Params, Unit,
-// load_row, exp2_neg and exp2_neg_vec, vmax, max_lanes and add_lanes, row_offsets, kLog2e, bf16 conversions).
+// last token of a prefill tile), for attention.cpp (and decode_int8.h, which shares its structures).
 //
 // Why it is separate from run_unit: with one query token a unit has only the G query heads of each
 // KV head, so what limits it is how much memory is in flight while it computes, not reuse across
@@ -9,6 +7,12 @@
 // each K and V row is loaded once for all the group's query heads (in passes that keep their queries
 // and accumulators in registers); the scores, max and sums stay vector ops. The choices and what the
 // alternatives measured: docs/cpu_kernels.md.
+
+#pragma once
+
+#include "paged.h"
+
+namespace {
 
 constexpr int kDecodeKeys = kLanes;  // keys per step: one shuffle tree (simd.h)
 // Prefetch distance in keys, a multiple of kDecodeKeys (nearer or farther measured no better).
@@ -263,3 +267,5 @@ void run_decode_unit(const Params& p, const Unit& u, const Unit* next, DecodeScr
     }
   }
 }
+
+}  // namespace

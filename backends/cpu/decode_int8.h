@@ -1,4 +1,4 @@
-// Decode attention over an int8 KV cache (--kv-cache-dtype int8), included by attention.cpp after the
+// Decode attention over an int8 KV cache (--kv-cache-dtype int8), for attention.cpp, after the
 // float kernels, whose decode machinery it shares (attention.cpp's Params and Unit; decode.h: DecodeScratch,
 // prefetch cursor, tree_of_leaves with key-pair leaves, online softmax state), with simd.h's vector layer
 // (load_row<int8_t> widens kLanes int8 values in registers).
@@ -10,7 +10,11 @@
 // keys (the load ports are the next limit). Scales apply per row, to scores and softmax weights, not per
 // value. Design and measurements: docs/cpu_kernels.md. Other head dims take run_general: scalar, per key.
 
-namespace {  // internal linkage, as attention.cpp's kernels: it uses their types
+#pragma once
+
+#include "decode.h"
+
+namespace {  // internal linkage, as every kernel header's definitions
 namespace pagedkv_int8 {
 
 // A row's scale is the E5M3 code in the byte after its values (docs/kv_format.md, SCALE_BIAS 22): float32
@@ -294,33 +298,3 @@ void run_general(const Params& a, int threads) {
 
 }  // namespace pagedkv_int8
 }  // namespace
-
-extern "C" {
-
-// One query token per sequence (token s is sequence s); 0 on success, nonzero for unhandled arguments.
-int pagedkv_cpu_decode_int8(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const int8_t* k_cache,
-                            const int8_t* v_cache, float* out, const int32_t* block_tables, int64_t bt_stride,
-                            const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                            int block_size, float scale, int window, float softcap, int threads) {
-  if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
-    return 1;
-  // The shared decode parameters: the query token of sequence s is row s at position seq_lens[s] - 1.
-  std::vector<int32_t> context(num_seqs), start(num_seqs + 1);
-  for (int s = 0; s <= num_seqs; ++s) start[s] = s;
-  for (int s = 0; s < num_seqs; ++s) context[s] = seq_lens[s] - 1;
-  const Params a{kInt8Cache, q, q_tok_stride, q_head_stride, k_cache, v_cache, out, block_tables, bt_stride,
-                 context.data(), start.data(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                 scale, window, softcap};
-  threads = std::max(1, threads);
-  const bool whole = head_dim % kLanes == 0;
-  switch (whole ? head_dim : 0) {
-    case 32: pagedkv_int8::run<32>(a, threads); break;
-    case 64: pagedkv_int8::run<64>(a, threads); break;
-    case 128: pagedkv_int8::run<128>(a, threads); break;
-    case 256: pagedkv_int8::run<256>(a, threads); break;
-    default: pagedkv_int8::run_general(a, threads); break;
-  }
-  return 0;
-}
-
-}  // extern "C"

@@ -20,9 +20,13 @@
 //
 // Every output is one fp32 sum over k in order (fused multiply-adds), like a dot product, so results
 // differ from MKL's or oneDNN's in rounding only (with vdpbf16ps, see Bf16Dot, the inputs are rounded to bf16
-// first). Included by attention.cpp after simd.h.
+// first). For linear.cpp and llama_block.h.
 
 #pragma once
+
+#include "numerics.h"
+
+namespace {
 
 constexpr int kNr = 2 * kLanes;                 // output columns of a panel: two vectors
 constexpr int kMr = kRegisters >= 32 ? 12 : 6;  // rows of the register tile
@@ -374,3 +378,5 @@ inline void linear_from_f32(const float* x, int64_t ldx, int64_t rows, int64_t k
   linear_rows_all<F>(xs, ld, rows, static_cast<int>((k + F::kStep - 1) / F::kStep), wp, bias, N, y, accumulate,
                      threads);
 }
+
+}  // namespace

@@ -9,9 +9,13 @@
 // of a small model's decode step, docs/cpu_kernels.md); here they are two calls, and q/k/v and gate/up
 // are each one product over one packed weight ([Wq; Wk; Wv] and [Wg; Wu] stacked).
 // The arithmetic is transformers' up to rounding (sums in another order, fused multiply-adds, the SiLU's
-// exp from a polynomial within 2 ulp). Included by attention.cpp after linear.h.
+// exp from a polynomial within 2 ulp). For llama_layer.cpp.
 
 #pragma once
+
+#include "linear.h"
+
+namespace {
 
 // Rows are independent: split them over the threads only when there are enough to be worth a fork.
 constexpr int64_t kParallelRows = 16;
@@ -140,3 +144,5 @@ inline int llama_mlp(float* h, int64_t rows, int64_t d, const float* attn, int64
   }
   return 0;
 }
+
+}  // namespace

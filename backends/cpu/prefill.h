@@ -1,6 +1,5 @@
-// Prefill attention: many query rows share every K/V chunk (included by attention.cpp, inside its
-// anonymous namespace, after what it uses from there: Params, Unit, vfloat with load/store/load_row, kChunk,
-// exp2_neg and exp2_neg_vec, vmax, max_lanes and add_lanes, the bf16 conversions, row_offsets and prefetch_rows).
+// Prefill attention: many query rows share every K/V chunk (for attention.cpp; Params, Unit and the row offsets
+// from paged.h, the vector layer from simd.h).
 //
 // A unit (sequence, tile of query tokens, KV heads) walks its keys in chunks of kChunk rows through the
 // block table, as the general path does. Per chunk and KV head the chunk's K is transposed once
@@ -11,6 +10,10 @@
 // the R rows. Blocks that see no key of a chunk (causal) are skipped.
 
 #pragma once
+
+#include "paged.h"
+
+namespace {
 
 // kRowBlock, kKeyVecs (register tiles) and kChunk come from simd.h, per instruction set.
 constexpr int kPrefillMinRows = 8;  // fewer rows than this do not pay for transposing each K chunk
@@ -230,3 +233,5 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
     }
   }
 }
+
+}  // namespace

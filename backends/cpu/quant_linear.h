@@ -18,6 +18,8 @@
 
 #pragma once
 
+#include "llama_block.h"  // linear.h's weight formats, the layer helpers and the vector layer
+
 namespace {
 namespace pagedkv_quant {
 

@@ -9,10 +9,19 @@
 // (load_row: one per cache element type: float, bf16, int8), the shuffle
 // trees that sum or compare across lanes, the in-register transpose, and the register-tile sizes
 // the decode and prefill units use. The shuffle masks are computed at compile time from the width,
-// so one definition serves every build. Included by attention.cpp inside its anonymous namespace
-// (which includes <utility> for std::integer_sequence). Design and measurements: docs/cpu_kernels.md.
+// so one definition serves every build. Included through numerics.h by every kernel header.
+// Design and measurements: docs/cpu_kernels.md.
 
 #pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the int8 row widening
+#endif
+
+namespace {
 
 
 // PAGEDKV_AVX512_SHAPE (a test build, build.py's "avx512-shape"): the AVX-512 build's widths and register
@@ -194,3 +203,5 @@ inline void transpose_lanes(vfloat* r) {
     transpose_lanes<S * 2>(r);
   }
 }
+
+}  // namespace

@@ -9,7 +9,7 @@ Each round multiplies ``--rows`` rows by all 30 layers' ``[Wq;Wk;Wv]``, ``o_proj
 ``down_proj`` weights (random, 425 MB a copy: more than any L3, so every weight comes from memory as in an
 engine step) and, with ``--lm-head``, the 49,152-row tied head. The kernels are called directly (ctypes, into
 preallocated outputs), without the engine around them. ``--ref`` compiles that tree's
-``backends/cpu/attention.cpp`` with this tree's flags for this CPU's best instruction set. The table gives
+``backends/cpu`` sources with this tree's flags for this CPU's best instruction set. The table gives
 the best and median time of a round and GF/s; "x ref" is the reference's median over this tree's (a ratio
 from the same minutes, which is what a shared machine allows).
 """
@@ -39,8 +39,9 @@ def compile_tree(tree: Path, out_dir: Path) -> ctypes.CDLL:
     """``tree``'s kernel, built like this tree's for this CPU's best instruction set."""
     isa = build.best_isa()
     target = out_dir / f"ref_{isa}.so"
-    cmd = [build.compiler() or "g++", *build.FLAGS, *build.march(isa),
-           str(tree / "backends" / "cpu" / "attention.cpp"), "-o", str(target)]
+    src = tree / "backends" / "cpu"  # an older tree has attention.cpp alone, holding every entry point
+    units = [str(src / name) for name in build.SOURCES if (src / name).exists()]
+    cmd = [build.compiler() or "g++", *build.FLAGS, *build.march(isa), *units, "-o", str(target)]
     print(f"compiling {tree}'s kernel ({isa})...", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     lib = build._bind(ctypes.CDLL(str(target)))

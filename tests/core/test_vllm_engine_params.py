@@ -134,5 +134,5 @@ def test_a_kernel_build_says_what_the_wait_is_for(capsys):
 
     proc = subprocess.Popen([sys.executable, "-c", "print('ok')"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    assert build._wait_saying_so(proc)[0].strip() == "ok"
+    assert build._wait_saying_so([proc])[0][0].strip() == "ok"
     assert "compiling the CPU attention kernel (once per machine)" in capsys.readouterr().err

@@ -163,16 +163,17 @@ def test_bad_arguments_fail_with_one_clear_error(backend):
         backend.attend(q[:, :3], k_cache, v_cache, meta, 0.125)
 
 
-def test_build_cache_key_covers_the_included_prefill_header(monkeypatch, tmp_path):
-    # an edit to prefill.h alone must not load a library built from the old header
-    for name in (build.SOURCE.name, *build.HEADERS):
-        (tmp_path / name).write_bytes((build.SOURCE.parent / name).read_bytes())
-    monkeypatch.setattr(build, "SOURCE", tmp_path / build.SOURCE.name)
-    before = build.library_path()
-    header = tmp_path / "prefill.h"
-    header.write_text(header.read_text() + "\n// edited\n")
-    assert build.library_path() != before
-    assert '#include "prefill.h"' in build.SOURCE.read_text()
+def test_build_cache_key_covers_every_source_and_header(monkeypatch, tmp_path):
+    # an edit to one header or one translation unit alone must not load a library built from the old file
+    for name in (*build.SOURCES, *build.HEADERS):
+        (tmp_path / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    for name in ("prefill.h", "kv_write.cpp"):
+        before = build.library_path()
+        edited = tmp_path / name
+        edited.write_text(edited.read_text() + "\n// edited\n")
+        assert build.library_path() != before
+    assert '#include "prefill.h"' in (tmp_path / "attention.cpp").read_text()
 
 
 def test_missing_compiler_falls_back_to_the_reference_with_one_log_line(monkeypatch, tmp_path, caplog):
