@@ -178,6 +178,20 @@ void run(const Args& a, int threads) {
 constexpr int kFormats = 3;
 constexpr int64_t kBlockBytes[kFormats] = {Format<0>::kBytes, Format<1>::kBytes, Format<2>::kBytes};
 
+}  // namespace pagedkv_quant
+}  // namespace
+
+#include "quant_int8.h"  // the integer path (activations quantized to int8), on builds with AVX2
+
+namespace {
+namespace pagedkv_quant {
+
+#if defined(PAGEDKV_QUANT_INT8)
+constexpr const char* kQuantPath = pagedkv_quant_int8::kPath;
+#else
+constexpr const char* kQuantPath = "float";  // the weights de-quantized in registers (above)
+#endif
+
 // y[rows, n] (+)= x[rows, k] W^T, x's rows ldx apart and y's ldy; false for a format or sizes it does not take.
 inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                        float* y, int64_t ldy, bool accumulate, int threads) {
@@ -187,9 +201,13 @@ inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, in
   const Args a{x, rows, static_cast<int>(k), ldx, w, k / kQBlock * kBlockBytes[format], static_cast<int>(n), y, ldy,
                accumulate};
   threads = std::max(1, threads);
+#if defined(PAGEDKV_QUANT_INT8)
+  pagedkv_quant_int8::rows(format, a, threads);
+#else
   if (format == 0) run<0>(a, threads);
   if (format == 1) run<1>(a, threads);
   if (format == 2) run<2>(a, threads);
+#endif
   return true;
 }
 
@@ -197,6 +215,9 @@ inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, in
 }  // namespace
 
 extern "C" {
+
+// How this build multiplies GGUF blocks: "float" (de-quantized in registers) or "int8 <dot instruction>".
+const char* pagedkv_cpu_quant_linear_path() { return pagedkv_quant::kQuantPath; }
 
 // y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), k / 32 blocks a row of
 // W, x and y contiguous. Returns 0, or 1 for a format or sizes it does not take.

@@ -16,6 +16,9 @@ class CpuQuantKernel:
 
     def __init__(self, lib: Any) -> None:  # a ctypes library from build.load
         self.lib = lib
+        # "float" (weights de-quantized in registers) or "int8 <instruction>" (activations rounded to int8)
+        path = getattr(lib, "pagedkv_cpu_quant_linear_path", None)
+        self.path = path().decode() if path is not None else "float"
 
     def supports(self, qtype: str) -> bool:
         return qtype in FORMATS
