@@ -228,9 +228,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_quant_llama_attention_inputs.restype = i32
         lib.pagedkv_cpu_quant_llama_mlp.argtypes = [p, i64, i64, p, i64, p, f32, i64, p, p, p, p, i32]
         lib.pagedkv_cpu_quant_llama_mlp.restype = i32
-    if hasattr(lib, "pagedkv_cpu_quant_linear_path"):  # (absent from libraries built before the integer path)
-        lib.pagedkv_cpu_quant_linear_path.argtypes = []
-        lib.pagedkv_cpu_quant_linear_path.restype = ctypes.c_char_p
+    if hasattr(lib, "pagedkv_cpu_quant_int8_path"):  # (absent from libraries built before the integer path)
+        lib.pagedkv_cpu_quant_int8_path.argtypes = []
+        lib.pagedkv_cpu_quant_int8_path.restype = ctypes.c_char_p
+        lib.pagedkv_cpu_quant_linear_int8.argtypes = lib.pagedkv_cpu_quant_linear.argtypes
+        lib.pagedkv_cpu_quant_linear_int8.restype = i32
     return lib
 
 

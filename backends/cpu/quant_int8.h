@@ -1,4 +1,6 @@
-// The integer path of quant_linear.h (x86 builds with AVX2): the activations are quantized once a call to int8,
+// The integer path of quant_linear.h (x86 builds with AVX2; pagedkv_cpu_quant_linear_int8, not what the model
+// runs: it measured slower than the float path and missed issue 44's agreement goal, benchmarks/JOURNAL.md): the
+// activations are quantized once a call to int8,
 // a scale per 32-value block (d_x = max|x| / 127, q_x = round(x / d_x)), and each (activation block, weight block)
 // pair is one integer dot product of the weight's bytes or nibbles with q_x, then one float fma:
 //   Q8_0: d_w d_x sum(q_w q_x)

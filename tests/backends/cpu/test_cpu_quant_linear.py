@@ -2,8 +2,8 @@
 (de-quantized by the ``gguf`` package, an independent reading of the formats), for every build this CPU runs: fresh
 random inputs per case, NaN-poisoned outputs and guards after every buffer, row counts around the register tiles
 (1, 5, 13, 61, ...) and weight-row counts that are not a multiple of the column block; then ``CpuQuantKernel`` and
-the torch path of ``QuantLinear`` on the same blocks. Builds with AVX2 take the integer path (``quant_int8.h``:
-activations rounded to int8 per 32-block), whose bound adds that rounding's error (derived in ``int8_bound``)."""
+the torch path of ``QuantLinear`` on the same blocks. Builds with AVX2 also have the integer path (``quant_int8.h``:
+activations rounded to int8 per 32-block), run by every test too; its bound adds that rounding (``int8_bound``)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,19 @@ GUARD = 64
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", params=build.checked_variants())
+@pytest.fixture(scope="module", params=[(isa, int8) for isa in build.checked_variants() for int8 in (False, True)],
+                ids=lambda p: f"{p[0]}-{'int8' if p[1] else 'float'}")
 def kernel(request) -> CpuQuantKernel:
-    return CpuQuantKernel(cpu_kernel_build(request.param))
+    isa, int8 = request.param
+    lib = cpu_kernel_build(isa)
+    if int8 and PATHS[isa] == "none":
+        pytest.skip(f"the {isa} build has no integer path")
+    return CpuQuantKernel(lib, int8=int8)
 
 
-def test_each_build_takes_its_path(kernel):
-    assert kernel.path == PATHS[kernel.lib.isa]
+def test_each_build_has_its_integer_path(kernel):
+    assert kernel.lib.pagedkv_cpu_quant_int8_path().decode() == PATHS[kernel.lib.isa]
+    assert kernel.path in ("float", PATHS[kernel.lib.isa])
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
@@ -42,7 +48,7 @@ def test_integer_path_is_the_product_of_the_int8_rounded_activations(kernel, qty
     """What the integer path computes: x' W^T for x' the activations rounded per block as int8_activations does,
     up to fp32 rounding (its difference from x W^T is many times that, so the float path fails this)."""
     if kernel.path == "float":
-        pytest.skip("this build de-quantizes the weights to float")
+        pytest.skip("the float path")
     blocks = quantized(qtype, 40, 576, seed=11)
     w = gguf_dequantized(blocks, qtype)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
@@ -66,9 +72,9 @@ def gguf_dequantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype]).copy())
 
 
-# how each build multiplies GGUF blocks (pagedkv_cpu_quant_linear_path)
+# each build's integer path (pagedkv_cpu_quant_int8_path)
 PATHS = {"avx512-bf16": "int8 avx512-vnni", "avx512": "int8 maddubs", "avx2-vnni": "int8 avx-vnni",
-         "avx2": "int8 maddubs", "generic": "float", "avx512-shape": "float"}
+         "avx2": "int8 maddubs", "generic": "none", "avx512-shape": "none"}
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None = None, qtype: str = "",
@@ -130,9 +136,8 @@ def test_direct_call_matches_float64_of_the_dequantized_weight(kernel, qtype, in
         x_buf[: x.numel()] = x.reshape(-1)
         y_buf = torch.full((rows * out_features + GUARD,), float("nan"))
         threads = 1 + rows % 2
-        rc = kernel.lib.pagedkv_cpu_quant_linear(FORMATS[qtype].code, ctypes.c_void_p(x_buf.data_ptr()), rows,
-                                                 in_features, ctypes.c_void_p(w_buf.data_ptr()), out_features,
-                                                 ctypes.c_void_p(y_buf.data_ptr()), threads)
+        rc = kernel.entry(FORMATS[qtype].code, ctypes.c_void_p(x_buf.data_ptr()), rows, in_features,
+                          ctypes.c_void_p(w_buf.data_ptr()), out_features, ctypes.c_void_p(y_buf.data_ptr()), threads)
         assert rc == 0
         got = y_buf[: rows * out_features].view(rows, out_features)
         want, bound = reference(x, w, blocks, qtype, kernel.path)
@@ -146,7 +151,7 @@ def test_bad_sizes_and_formats_are_refused(kernel):
     blocks = quantized("Q8_0", 4, 64, seed=1)
 
     def call(fmt, k, n=4):
-        return kernel.lib.pagedkv_cpu_quant_linear(fmt, x.data_ptr(), 2, k, blocks.data_ptr(), n, y.data_ptr(), 1)
+        return kernel.entry(fmt, x.data_ptr(), 2, k, blocks.data_ptr(), n, y.data_ptr(), 1)
 
     assert call(0, 63) == 1 and call(0, 0) == 1 and call(0, 64, n=0) == 1
     assert call(7, 64) == 1 and call(-1, 64) == 1
