@@ -41,17 +41,21 @@ SOURCES = ("attention.cpp", "kv_write.cpp", "linear.cpp", "llama_layer.cpp")
 UNIT_FLAGS = {"attention.cpp": ("--param", "inline-unit-growth=80")}
 # included by SOURCES: part of the cache key
 HEADERS = ("simd.h", "numerics.h", "paged.h", "general.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h",
-           "llama_block.h", "quant_linear.h")
+           "llama_block.h", "quant_linear.h", "quant_int8.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})
+_AVX2 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})
 X86_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    # the avx512 build plus vdpbf16ps for bf16 weights (Zen 4 and later, Cooper Lake, Sapphire Rapids and later)
-    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"), _AVX512 | {"avx512_bf16"}),
-    "avx512": (("-march=x86-64-v4", "-mtune=native"),
-               frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})),
-    "avx2": (("-march=x86-64-v3", "-mtune=native"),
-             frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})),
+    # the avx512 build plus vdpbf16ps for bf16 weights and vpdpbusd for GGUF blocks (Zen 4 and later, Cooper Lake,
+    # Sapphire Rapids and later: every CPU with avx512_bf16 has avx512_vnni); the plain avx512 build (Skylake-X,
+    # Ice Lake without bf16) takes GGUF blocks by vpmaddubsw
+    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
+                    _AVX512 | {"avx512_bf16", "avx512_vnni"}),
+    "avx512": (("-march=x86-64-v4", "-mtune=native"), _AVX512),
+    # the avx2 build plus the VEX vpdpbusd for GGUF blocks (Alder Lake and later, Zen 5)
+    "avx2-vnni": (("-march=x86-64-v3", "-mavxvnni", "-mtune=native"), _AVX2 | {"avx_vnni"}),
+    "avx2": (("-march=x86-64-v3", "-mtune=native"), _AVX2),
     "generic": (("-march=x86-64", "-mtune=native"), frozenset()),
 }
 # Test builds, never loaded for serving: "avx512-shape" is the AVX-512 build's widths and register tiles
@@ -60,7 +64,7 @@ CHECK_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512-shape": (("-march=x86-64-v3", "-mtune=native", "-DPAGEDKV_AVX512_SHAPE"), X86_VARIANTS["avx2"][1]),
 }
 # what pagedkv_cpu_lanes() of each build returns
-LANES = {"avx512-bf16": 16, "avx512": 16, "avx2": 8, "generic": 4, "avx512-shape": 16}
+LANES = {"avx512-bf16": 16, "avx512": 16, "avx2": 8, "avx2-vnni": 8, "generic": 4, "avx512-shape": 16}
 
 
 class BuildError(RuntimeError):
@@ -249,6 +253,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_quant_llama_attention_inputs.restype = i32
         lib.pagedkv_cpu_quant_llama_mlp.argtypes = [p, i64, i64, p, i64, p, f32, i64, p, p, p, p, i32]
         lib.pagedkv_cpu_quant_llama_mlp.restype = i32
+    if hasattr(lib, "pagedkv_cpu_quant_int8_path"):  # (absent from libraries built before the integer path)
+        lib.pagedkv_cpu_quant_int8_path.argtypes = []
+        lib.pagedkv_cpu_quant_int8_path.restype = ctypes.c_char_p
+        lib.pagedkv_cpu_quant_linear_int8.argtypes = lib.pagedkv_cpu_quant_linear.argtypes
+        lib.pagedkv_cpu_quant_linear_int8.restype = i32
     return lib
 
 

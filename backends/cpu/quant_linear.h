@@ -180,15 +180,38 @@ void run(const Args& a, int threads) {
 constexpr int kFormats = 3;
 constexpr int64_t kBlockBytes[kFormats] = {Format<0>::kBytes, Format<1>::kBytes, Format<2>::kBytes};
 
-// y[rows, n] (+)= x[rows, k] W^T, x's rows ldx apart and y's ldy; false for a format or sizes it does not take.
+}  // namespace pagedkv_quant
+}  // namespace
+
+#include "quant_int8.h"  // the integer path (activations quantized to int8), on builds with AVX2
+
+namespace {
+namespace pagedkv_quant {
+
+#if defined(PAGEDKV_QUANT_INT8)
+constexpr const char* kInt8Path = pagedkv_quant_int8::kPath;
+#else
+constexpr const char* kInt8Path = "none";
+#endif
+
+// y[rows, n] (+)= x[rows, k] W^T, x's rows ldx apart and y's ldy; false for a format or sizes it does not take (or
+// int8, the integer path, on a build without it).
 inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
-                       float* y, int64_t ldy, bool accumulate, int threads) {
+                       float* y, int64_t ldy, bool accumulate, int threads, bool int8 = false) {
   if (format < 0 || format >= kFormats || rows < 0 || k <= 0 || k % kQBlock != 0 || n <= 0 || k > INT32_MAX / 4 ||
       n > INT32_MAX)
     return false;
   const Args a{x, rows, static_cast<int>(k), ldx, w, k / kQBlock * kBlockBytes[format], static_cast<int>(n), y, ldy,
                accumulate};
   threads = std::max(1, threads);
+  if (int8) {
+#if defined(PAGEDKV_QUANT_INT8)
+    pagedkv_quant_int8::rows(format, a, threads);
+    return true;
+#else
+    return false;
+#endif
+  }
   if (format == 0) run<0>(a, threads);
   if (format == 1) run<1>(a, threads);
   if (format == 2) run<2>(a, threads);
@@ -199,6 +222,17 @@ inline bool quant_rows(int format, const float* x, int64_t ldx, int64_t rows, in
 }  // namespace
 
 extern "C" {
+
+// This build's integer path (quant_int8.h): "int8 <dot instruction>", or "none". It is not what the model runs:
+// it measured slower than the float path here and missed issue 44's agreement goal (benchmarks/JOURNAL.md).
+const char* pagedkv_cpu_quant_int8_path() { return pagedkv_quant::kInt8Path; }
+
+// pagedkv_cpu_quant_linear by the integer path: the activations rounded to int8 per 32-block. Returns 0, or 1 for
+// a format or sizes it does not take or a build without the path.
+int pagedkv_cpu_quant_linear_int8(int format, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                                  float* y, int threads) {
+  return pagedkv_quant::quant_rows(format, x, k, rows, k, w, n, y, n, false, threads, true) ? 0 : 1;
+}
 
 // y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), k / 32 blocks a row of
 // W, x and y contiguous. Returns 0, or 1 for a format or sizes it does not take.

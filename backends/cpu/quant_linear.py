@@ -14,8 +14,17 @@ from pagedkv.core.model.quant_formats import FORMATS, row_bytes
 class CpuQuantKernel:
     """``y = x W^T`` by the compiled kernel, for fp32 CPU ``x`` and ``W`` in Q8_0 / Q4_0 / Q4_1 blocks."""
 
-    def __init__(self, lib: Any) -> None:  # a ctypes library from build.load
+    def __init__(self, lib: Any, int8: bool = False) -> None:  # a ctypes library from build.load
+        """``int8``: the integer path (activations rounded to int8 per 32-block; ``quant_int8.h``), for tests and
+        benchmarks: slower here than the float path, and outside issue 44's agreement goal (JOURNAL.md)."""
         self.lib = lib
+        self.path = "float"
+        self.entry = lib.pagedkv_cpu_quant_linear
+        if int8:
+            self.path = lib.pagedkv_cpu_quant_int8_path().decode()
+            if self.path == "none":
+                raise ValueError(f"the {getattr(lib, 'isa', '?')} build has no integer path")
+            self.entry = lib.pagedkv_cpu_quant_linear_int8
 
     def supports(self, qtype: str) -> bool:
         return qtype in FORMATS
@@ -30,7 +39,7 @@ class CpuQuantKernel:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-        rc = self.lib.pagedkv_cpu_quant_linear(FORMATS[qtype].code, flat.data_ptr(), rows, in_features,
+        rc = self.entry(FORMATS[qtype].code, flat.data_ptr(), rows, in_features,
                                                blocks.data_ptr(), out_features, out.data_ptr(),
                                                torch.get_num_threads())
         if rc != 0:

@@ -28,7 +28,7 @@ from pagedkv.core.errors import ConfigError
 log = logging.getLogger("pagedkv")
 
 ENV = "PAGEDKV_CPU_ROUTES"
-FAST_BY_FEATURES = ("avx512-bf16", "avx512", "avx2")
+FAST_BY_FEATURES = ("avx512-bf16", "avx512", "avx2-vnni", "avx2")
 # torch takes a phase only when the kernel is this much slower: a near tie keeps the kernel
 MARGIN = 1.10
 # our CPU time over wall time x threads while measuring; below it another process had a share of the cores

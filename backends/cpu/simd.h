@@ -43,7 +43,11 @@ constexpr const char* kIsaName = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kRegisters = 16;
+#if defined(__AVXVNNI__)
+constexpr const char* kIsaName = "avx2-vnni";  // the avx2 build and vpdpbusd for GGUF blocks (quant_int8.h)
+#else
 constexpr const char* kIsaName = "avx2";
+#endif
 #else
 constexpr int kLanes = 4;
 constexpr int kRegisters = 16;

@@ -2,7 +2,8 @@
 (de-quantized by the ``gguf`` package, an independent reading of the formats), for every build this CPU runs: fresh
 random inputs per case, NaN-poisoned outputs and guards after every buffer, row counts around the register tiles
 (1, 5, 13, 61, ...) and weight-row counts that are not a multiple of the column block; then ``CpuQuantKernel`` and
-the torch path of ``QuantLinear`` on the same blocks."""
+the torch path of ``QuantLinear`` on the same blocks. Builds with AVX2 also have the integer path (``quant_int8.h``:
+activations rounded to int8 per 32-block), run by every test too; its bound adds that rounding (``int8_bound``)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,36 @@ GUARD = 64
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", params=build.checked_variants())
+@pytest.fixture(scope="module", params=[(isa, int8) for isa in build.checked_variants() for int8 in (False, True)],
+                ids=lambda p: f"{p[0]}-{'int8' if p[1] else 'float'}")
 def kernel(request) -> CpuQuantKernel:
-    return CpuQuantKernel(cpu_kernel_build(request.param))
+    isa, int8 = request.param
+    lib = cpu_kernel_build(isa)
+    if int8 and PATHS[isa] == "none":
+        pytest.skip(f"the {isa} build has no integer path")
+    return CpuQuantKernel(lib, int8=int8)
+
+
+def test_each_build_has_its_integer_path(kernel):
+    assert kernel.lib.pagedkv_cpu_quant_int8_path().decode() == PATHS[kernel.lib.isa]
+    assert kernel.path in ("float", PATHS[kernel.lib.isa])
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_integer_path_is_the_product_of_the_int8_rounded_activations(kernel, qtype):
+    """What the integer path computes: x' W^T for x' the activations rounded per block as int8_activations does,
+    up to fp32 rounding (its difference from x W^T is many times that, so the float path fails this)."""
+    if kernel.path == "float":
+        pytest.skip("the float path")
+    blocks = quantized(qtype, 40, 576, seed=11)
+    w = gguf_dequantized(blocks, qtype)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    got = kernel.linear(x, blocks, qtype, 40).double()
+    rounded = int8_activations(x)
+    want = rounded @ w.double().T
+    size = rounded.abs() @ (w.double().abs() + 2 * block_offsets(blocks, qtype, 576)).T
+    assert ((got - want).abs() <= 2 * (576 + 2) * EPS32 * size + 1e-30).all()
+    assert ((got - x.double() @ w.double().T).abs() > 2 * (576 + 2) * EPS32 * size).any()  # x' is not x
 
 
 def quantized(qtype: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -44,12 +72,53 @@ def gguf_dequantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype]).copy())
 
 
-def reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# each build's integer path (pagedkv_cpu_quant_int8_path)
+PATHS = {"avx512-bf16": "int8 avx512-vnni", "avx512": "int8 maddubs", "avx2-vnni": "int8 avx-vnni",
+         "avx2": "int8 maddubs", "generic": "none", "avx512-shape": "none"}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None = None, qtype: str = "",
+              path: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``x W^T`` and the bound of an fp32 sum of those terms (``K + 1`` roundings), doubled; the
-    de-quantization itself (one fma per weight) adds at most one rounding per term."""
+    de-quantization itself (one fma per weight) adds at most one rounding per term. The integer path's bound
+    (``path`` "int8 ...") is ``int8_bound``'s."""
     out = x.double() @ w.double().T
+    if path != "float":
+        return out, int8_bound(x, w, blocks, qtype)
     size = x.double().abs() @ w.double().abs().T
     return out, 2 * (x.shape[-1] + 2) * EPS32 * size + 1e-30
+
+
+def block_offsets(blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """|m| of each weight's block ([out, k]): the offset in value = d q + m (Q8_0: 0, Q4_0: -8 d, Q4_1: its m)."""
+    if qtype == "Q8_0":
+        return torch.zeros(blocks.shape[0], k, dtype=torch.float64)
+    per = blocks.view(blocks.shape[0], k // 32, -1)
+    halves = per[..., :4].contiguous().view(torch.float16).double()  # d, then Q4_1's m (Q4_0: a nibble pair)
+    m = 8 * halves[..., 0] if qtype == "Q4_0" else halves[..., 1]
+    return m.abs().repeat_interleave(32, dim=1)
+
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The integer path computes x' W^T, x' = d q the activations rounded per 32-block (d = max|x| / 127):
+    |x' - x| <= e = d / 2, times (1 + 1024 eps) for the fp32 roundings of d, 1 / d and x / d (each a relative eps
+    of a quotient <= 127 + 1: under 2^9 eps steps). The integer dots are exact; the fp32 part (a scale product, a
+    fused multiply-add per block and lane, the offset term m d sum(q) per block, the lane sum) is under K + 2
+    roundings of terms bounded by (|d q| + |m|) |x'| <= (|w| + 2 |m|) (|x| + e)."""
+    k = x.shape[-1]
+    amax = x.double().abs().view(*x.shape[:-1], k // 32, 32).amax(-1, keepdim=True)
+    e = (amax / 254 * (1 + 1024 * EPS32)).expand(*x.shape[:-1], k // 32, 32).reshape(x.shape)
+    rounding = e @ w.double().abs().T
+    size = (x.double().abs() + e) @ (w.double().abs() + 2 * block_offsets(blocks, qtype, k)).T
+    return rounding + 2 * (k + 2) * EPS32 * size + 1e-30
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """The integer path's rounded activations d q, computed as the kernel does (fp32, round half to even)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    return (torch.round(blocks * inv) * step.double()).reshape(x.shape)
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
@@ -67,12 +136,11 @@ def test_direct_call_matches_float64_of_the_dequantized_weight(kernel, qtype, in
         x_buf[: x.numel()] = x.reshape(-1)
         y_buf = torch.full((rows * out_features + GUARD,), float("nan"))
         threads = 1 + rows % 2
-        rc = kernel.lib.pagedkv_cpu_quant_linear(FORMATS[qtype].code, ctypes.c_void_p(x_buf.data_ptr()), rows,
-                                                 in_features, ctypes.c_void_p(w_buf.data_ptr()), out_features,
-                                                 ctypes.c_void_p(y_buf.data_ptr()), threads)
+        rc = kernel.entry(FORMATS[qtype].code, ctypes.c_void_p(x_buf.data_ptr()), rows, in_features,
+                          ctypes.c_void_p(w_buf.data_ptr()), out_features, ctypes.c_void_p(y_buf.data_ptr()), threads)
         assert rc == 0
         got = y_buf[: rows * out_features].view(rows, out_features)
-        want, bound = reference(x, w)
+        want, bound = reference(x, w, blocks, qtype, kernel.path)
         assert torch.isfinite(got).all(), (qtype, rows)
         assert ((got.double() - want).abs() <= bound).all(), (qtype, rows, (got.double() - want).abs().max())
         assert y_buf[rows * out_features:].isnan().all(), "a write past the output"
@@ -83,7 +151,7 @@ def test_bad_sizes_and_formats_are_refused(kernel):
     blocks = quantized("Q8_0", 4, 64, seed=1)
 
     def call(fmt, k, n=4):
-        return kernel.lib.pagedkv_cpu_quant_linear(fmt, x.data_ptr(), 2, k, blocks.data_ptr(), n, y.data_ptr(), 1)
+        return kernel.entry(fmt, x.data_ptr(), 2, k, blocks.data_ptr(), n, y.data_ptr(), 1)
 
     assert call(0, 63) == 1 and call(0, 0) == 1 and call(0, 64, n=0) == 1
     assert call(7, 64) == 1 and call(-1, 64) == 1
@@ -102,7 +170,9 @@ def test_quant_linear_kernel_and_torch_paths_agree_with_the_gguf_package(kernel,
         plain = layer(x)
         with quantized_linears(kernel):
             fast = layer(x)
-    want, bound = reference(x[0], gguf_dequantized(blocks, qtype))
+    w = gguf_dequantized(blocks, qtype)
+    want, bound = reference(x[0], w, blocks, qtype, kernel.path)
     assert fast.shape == plain.shape == (1, 13, 40)
     assert ((fast[0].double() - want).abs() <= bound).all()
+    want, bound = reference(x[0], w)
     assert ((plain[0].double() - want).abs() <= bound).all()
