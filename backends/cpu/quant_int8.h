@@ -22,6 +22,8 @@
 
 #pragma once
 
+#include "quant_blocks.h"  // Args, the block formats
+
 #if defined(__AVX2__) && !defined(PAGEDKV_AVX512_SHAPE)
 #define PAGEDKV_QUANT_INT8 1
 
