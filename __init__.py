@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pagedkv import openmp_env
 
-openmp_env.apply()  # before anything imports torch: libgomp reads its spin count once, when it loads
+openmp_env.apply()  # before anything imports torch: libgomp reads its wait policy once, when it loads
 
 __version__ = "0.1.0"
 

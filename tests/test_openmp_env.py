@@ -1,4 +1,4 @@
-"""pagedkv asks libgomp for a short spin at barriers before torch loads it (issue 43, a machine shared with
+"""pagedkv asks libgomp for sleeping (passive) waits at barriers before torch loads it (issue 43, a machine shared with
 other processes), and leaves a user's own wait policy alone."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 from pagedkv import openmp_env
 
 
-def test_short_spin_when_the_user_chose_nothing():
-    assert openmp_env.wait_env({"PATH": "/bin"}) == {"GOMP_SPINCOUNT": "1000"}
+def test_passive_waits_when_the_user_chose_nothing():
+    assert openmp_env.wait_env({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_the_users_wait_policy_or_spin_count_wins():
@@ -21,9 +21,9 @@ def test_the_users_wait_policy_or_spin_count_wins():
 
 def test_apply_adds_to_the_given_environment_only_what_is_missing():
     env = {"HOME": "/root"}
-    assert openmp_env.apply(env) == {"GOMP_SPINCOUNT": "1000"}
-    assert env == {"HOME": "/root", "GOMP_SPINCOUNT": "1000"}
-    assert openmp_env.apply(env) == {}  # now the spin count is there: nothing more
+    assert openmp_env.apply(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"HOME": "/root", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env.apply(env) == {}  # now the policy is there: nothing more
 
 
 def _child_env(code: str, **extra: str) -> str:
@@ -33,12 +33,12 @@ def _child_env(code: str, **extra: str) -> str:
                           check=True).stdout.strip()
 
 
-def test_importing_pagedkv_sets_the_spin_count_before_torch_is_loaded():
-    # torch's libgomp reads GOMP_SPINCOUNT once, when it loads: it must be in the environment by then
-    code = "import sys, os, pagedkv; print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
-    assert _child_env(code) == "False 1000"
+def test_importing_pagedkv_sets_the_wait_policy_before_torch_is_loaded():
+    # torch's libgomp reads OMP_WAIT_POLICY once, when it loads: it must be in the environment by then
+    code = "import sys, os, pagedkv; print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child_env(code) == "False PASSIVE"
 
 
 def test_importing_pagedkv_keeps_a_users_wait_policy():
-    code = "import os, pagedkv; print(os.environ.get('GOMP_SPINCOUNT'), os.environ['OMP_WAIT_POLICY'])"
-    assert _child_env(code, OMP_WAIT_POLICY="passive") == "None passive"
+    code = "import os, pagedkv; print(os.environ.get('OMP_WAIT_POLICY'), os.environ['GOMP_SPINCOUNT'])"
+    assert _child_env(code, GOMP_SPINCOUNT="300000") == "None 300000"

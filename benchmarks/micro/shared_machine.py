@@ -24,7 +24,7 @@ PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
 def measure(threads: int | None, chats: int, tokens: int) -> dict:
     """Decode tok/s of one greedy request, and of ``chats`` requests at once (prefill included), warm."""
-    import pagedkv  # noqa: I001 (first: its OpenMP spin count must be in the environment before torch loads)
+    import pagedkv  # noqa: I001 (first: its OpenMP wait policy must be in the environment before torch loads)
     import torch
     from bench_common import model_dir
 
