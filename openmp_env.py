@@ -27,8 +27,19 @@ def wait_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
+ADDED: dict[str, str] = {}  # what apply() put in the process's environment
+
+
 def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     """Add :func:`wait_env` to ``environ`` (the process's by default); returns what was added."""
     added = wait_env(environ)
     environ.update(added)
+    if environ is os.environ:
+        ADDED.update(added)
     return added
+
+
+def environ_without_ours() -> dict[str, str]:
+    """The process's environment less what pagedkv added: for other programs it starts (a benchmark's peer
+    servers must run with their own OpenMP defaults)."""
+    return {k: v for k, v in os.environ.items() if ADDED.get(k) != v}

@@ -42,3 +42,11 @@ def test_importing_pagedkv_sets_the_wait_policy_before_torch_is_loaded():
 def test_importing_pagedkv_keeps_a_users_wait_policy():
     code = "import os, pagedkv; print(os.environ.get('OMP_WAIT_POLICY'), os.environ['GOMP_SPINCOUNT'])"
     assert _child_env(code, GOMP_SPINCOUNT="300000") == "None 300000"
+
+
+def test_programs_a_benchmark_starts_get_the_environment_without_pagedkvs_wait_policy():
+    code = ("import os, pagedkv; from pagedkv import openmp_env; "
+            "print(os.environ['OMP_WAIT_POLICY'], 'OMP_WAIT_POLICY' in openmp_env.environ_without_ours())")
+    assert _child_env(code) == "PASSIVE False"
+    code = "from pagedkv import openmp_env; print(openmp_env.environ_without_ours()['OMP_WAIT_POLICY'])"
+    assert _child_env(code, OMP_WAIT_POLICY="active") == "active"  # the user's own stays

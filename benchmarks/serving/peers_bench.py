@@ -33,6 +33,8 @@ from bench_common import REPO as ROOT  # noqa: E402
 from bench_common import model_dir  # noqa: E402
 from serve_bench import run_workload, stop, wait_ready, workload  # noqa: E402  (beside this file)
 
+from pagedkv import openmp_env  # noqa: E402
+
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/shared/peers"))
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 REFERENCE = "vllm"
@@ -95,8 +97,9 @@ def start(server: Server, port: int) -> list[tuple[str, subprocess.Popen]]:
     started = []
     for i in range(server.replicas):
         command = [str(port + i) if arg == str(port) else arg for arg in server.command]
-        proc = subprocess.Popen(command, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        env = {**openmp_env.environ_without_ours(), **server.env}  # peers keep their own OpenMP defaults
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         started.append((f"http://127.0.0.1:{port + i}", proc))
     return started
 
