@@ -50,7 +50,8 @@ def measure(threads: int | None, chats: int, tokens: int) -> dict:
     run(1, True)  # warm-up: packs the weights
     batch1 = (tokens - 1) / run(1, True)
     many = chats * tokens / run(chats, False)
-    return {"batch1": batch1, "chats": many, "threads": torch.get_num_threads()}
+    return {"batch1": batch1, "chats": many, "threads": torch.get_num_threads(),
+            "wait": {k: os.environ.get(k, "unset") for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
 
 
 def child(args: argparse.Namespace, env: dict[str, str]) -> dict:
