@@ -9,6 +9,10 @@ The public API mirrors vLLM's offline interface::
 
 from __future__ import annotations
 
+from pagedkv import openmp_env
+
+openmp_env.apply()  # before anything imports torch: libgomp reads its wait policy once, when it loads
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "__version__"]

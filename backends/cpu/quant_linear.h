@@ -68,11 +68,7 @@ inline void tail_tiles(int rows, std::integer_sequence<int, R...>, const Args& a
 template <int F>
 void run(const Args& a, int threads) {
   const int units = (a.n + kQColBlock - 1) / kQColBlock;
-  threads = std::max(1, std::min(threads, units));
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
-  for (int t = 0; t < threads; ++t) {
-    const int first = static_cast<int>(static_cast<int64_t>(units) * t / threads);
-    const int last = static_cast<int>(static_cast<int64_t>(units) * (t + 1) / threads);
+  for_ranges_dynamic(units, threads, [&](int first, int last) {  // linear.h: a descheduled thread stalls no step
     for (int u = first; u < last; ++u) {
       const int n0 = u * kQColBlock, n1 = std::min(a.n, n0 + kQColBlock);
       int64_t r0 = 0;
@@ -80,7 +76,7 @@ void run(const Args& a, int threads) {
       if (r0 < a.rows)
         tail_tiles<F>(static_cast<int>(a.rows - r0), std::make_integer_sequence<int, kQRows - 1>{}, a, r0, n0, n1);
     }
-  }
+  });
 }
 
 constexpr int kFormats = 3;

@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 from bench_common import REPO as ROOT  # noqa: E402
 from bench_common import model_dir  # noqa: E402
 
+from pagedkv import openmp_env  # noqa: E402
+
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/shared/peers"))
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype's names -> the engines' own (vLLM's and pagedkv's)
@@ -123,7 +125,8 @@ def start(server: Server, port: int) -> list[tuple[str, subprocess.Popen]]:
     started = []
     for i in range(server.replicas):
         command = [str(port + i) if arg == str(port) else arg for arg in server.command]
-        proc = subprocess.Popen(command, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        env = {**openmp_env.environ_without_ours(), **server.env}  # peers keep their own OpenMP defaults
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         started.append((f"http://127.0.0.1:{port + i}", proc))
     return started

@@ -1,0 +1,52 @@
+"""pagedkv asks libgomp for sleeping (passive) waits at barriers before torch loads it (issue 43, a machine shared with
+other processes), and leaves a user's own wait policy alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pagedkv import openmp_env
+
+
+def test_passive_waits_when_the_user_chose_nothing():
+    assert openmp_env.wait_env({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_the_users_wait_policy_or_spin_count_wins():
+    assert openmp_env.wait_env({"OMP_WAIT_POLICY": "active"}) == {}
+    assert openmp_env.wait_env({"GOMP_SPINCOUNT": "infinite"}) == {}
+
+
+def test_apply_adds_to_the_given_environment_only_what_is_missing():
+    env = {"HOME": "/root"}
+    assert openmp_env.apply(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"HOME": "/root", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env.apply(env) == {}  # now the policy is there: nothing more
+
+
+def _child_env(code: str, **extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in openmp_env.USER_KNOBS}
+    env.update(extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_importing_pagedkv_sets_the_wait_policy_before_torch_is_loaded():
+    # torch's libgomp reads OMP_WAIT_POLICY once, when it loads: it must be in the environment by then
+    code = "import sys, os, pagedkv; print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child_env(code) == "False PASSIVE"
+
+
+def test_importing_pagedkv_keeps_a_users_wait_policy():
+    code = "import os, pagedkv; print(os.environ.get('OMP_WAIT_POLICY'), os.environ['GOMP_SPINCOUNT'])"
+    assert _child_env(code, GOMP_SPINCOUNT="300000") == "None 300000"
+
+
+def test_programs_a_benchmark_starts_get_the_environment_without_pagedkvs_wait_policy():
+    code = ("import os, pagedkv; from pagedkv import openmp_env; "
+            "print(os.environ['OMP_WAIT_POLICY'], 'OMP_WAIT_POLICY' in openmp_env.environ_without_ours())")
+    assert _child_env(code) == "PASSIVE False"
+    code = "from pagedkv import openmp_env; print(openmp_env.environ_without_ours()['OMP_WAIT_POLICY'])"
+    assert _child_env(code, OMP_WAIT_POLICY="active") == "active"  # the user's own stays
