@@ -7,8 +7,15 @@ thread that spins takes the core from the thread doing the step's work, and with
 neighbour throughput fell to 0.15-0.42x of quiet (issue 43). pagedkv asks for the passive policy (a waiting
 thread sleeps at once): on the shared 2-core machine it kept 0.88x (batch 1) and 1.25x (32 chats) of its
 own figure when a neighbour burned a core, where libgomp's short spin for an oversubscribed pool
-(GOMP_SPINCOUNT=1000) kept 0.36x / 0.67x (benchmarks/JOURNAL.md, "Shared machine"). The user's own
-OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. libgomp reads these once, when it loads: ``import pagedkv`` first.
+(GOMP_SPINCOUNT=1000) kept 0.36x / 0.67x (benchmarks/JOURNAL.md, "Shared machine").
+
+But on a quiet machine sleeping waits cost every parallel region a futex wake-up: a bf16 batch-1 step on the
+quiet 2-core machine took 14.6 ms passive against 8.8 ms spinning (1.66x; 2 threads, ~150 regions a step).
+So the passive policy is asked for only where the machine is already busy when pagedkv starts (the 1-minute
+load average at least half the CPUs this process may use: a neighbour holding a core of two); a dedicated
+machine keeps libgomp's spin, as vLLM's CPU backend does with its bound threads. The user's own
+OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins (``OMP_WAIT_POLICY=PASSIVE`` on a machine that becomes shared
+later). libgomp reads these once, when it loads: ``import pagedkv`` first.
 """
 
 from __future__ import annotations
@@ -20,19 +27,34 @@ WAIT_POLICY = "PASSIVE"
 USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def wait_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables pagedkv adds to ``environ``: none where the user chose a wait policy or spin count."""
-    if any(name in environ for name in USER_KNOBS):
+BUSY_SHARE = 0.5  # load average / usable CPUs from which the machine counts as shared
+
+
+def wait_env(environ: Mapping[str, str], load: float, cpus: int) -> dict[str, str]:
+    """The variables pagedkv adds to ``environ`` given the machine's 1-minute ``load`` and the ``cpus`` this
+    process may use: none where the user chose a wait policy or spin count, or where the machine is quiet."""
+    if any(name in environ for name in USER_KNOBS) or load < BUSY_SHARE * max(1, cpus):
         return {}
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
+
+
+def machine_load() -> tuple[float, int]:
+    """The 1-minute load average and the CPUs this process may run on (0 load where the OS has no load average)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return load, cpus
 
 
 ADDED: dict[str, str] = {}  # what apply() put in the process's environment
 
 
-def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Add :func:`wait_env` to ``environ`` (the process's by default); returns what was added."""
-    added = wait_env(environ)
+def apply(environ: MutableMapping[str, str] = os.environ, load: tuple[float, int] | None = None) -> dict[str, str]:
+    """Add :func:`wait_env` to ``environ`` (the process's by default; ``load``: (load average, cpus), measured
+    now by default); returns what was added."""
+    added = wait_env(environ, *(load or machine_load()))
     environ.update(added)
     if environ is os.environ:
         ADDED.update(added)
