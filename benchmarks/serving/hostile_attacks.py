@@ -62,7 +62,11 @@ class AttackRun:
             return type(exc).__name__
 
     def in_threads(self, count: int, work: Callable[[], None]) -> None:
-        threads = [threading.Thread(target=work) for _ in range(count)]
+        self.side_by_side(*[work] * count)
+
+    def side_by_side(self, *works: Callable[[], None]) -> None:
+        """Each of ``works`` on its own thread, all at once; returns when every one has."""
+        threads = [threading.Thread(target=work) for work in works]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -236,20 +240,8 @@ def big_logprobs(run: AttackRun) -> None:
             "top_logprobs": 20, "ignore_eos": True}
     prompts = {"prompt": [[100 + i] * 900 for i in range(32)], "max_tokens": 1, "prompt_logprobs": 20}
 
-    def loop(label: str, path: str, body: dict) -> Callable[[], None]:
-        def go() -> None:
-            while run.going():
-                time.sleep(run.pause)
-                got = run.post(path, body)
-                run.record(f"{label} {got.status_code if isinstance(got, httpx.Response) else got}")
-        return go
-
-    threads = [threading.Thread(target=loop("chat", "/v1/chat/completions", chat)),
-               threading.Thread(target=loop("prompt_logprobs", "/v1/completions", prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run.side_by_side(_repeating(run, "chat", _CHAT, chat),
+                     _repeating(run, "prompt_logprobs", "/v1/completions", prompts))
 
 
 @attack("big-tokenize", "4 clients posting /tokenize of 3.9 MB of text and /detokenize of 1.3 M ids (3.9 MB), "
@@ -283,24 +275,23 @@ def _labelled(run: AttackRun, label: str, path: str, body: object, client: httpx
     run.record(f"{label} {got.status_code if isinstance(got, httpx.Response) else got}")
 
 
+def _repeating(run: AttackRun, label: str, path: str, body: object) -> Callable[[], None]:
+    """A client that posts ``body`` until the attack ends, recording each answer under ``label``."""
+    def go() -> None:
+        while run.going():
+            time.sleep(run.pause)
+            _labelled(run, label, path, body)
+    return go
+
+
 @attack("request-template", "2 clients sending chat_template: the issue's nested loop and {{ 'x' * 300000000 }} "
         "(400 unless the server runs --trust-request-chat-template; then killed in the sandbox: a 400 on its limits)")
 def request_template(run: AttackRun) -> None:
     loop = "{% for a in range(99999) %}{% for b in range(99999) %}{{ a }}{% endfor %}{% endfor %}"
     templates = {"loop": loop, "huge": "{{ 'x' * 300000000 }}"}
 
-    def go(label: str) -> Callable[[], None]:
-        def post() -> None:
-            while run.going():
-                time.sleep(run.pause)
-                _labelled(run, label, _CHAT, {"messages": _HI, "max_tokens": 4, "chat_template": templates[label]})
-        return post
-
-    threads = [threading.Thread(target=go(label)) for label in templates]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run.side_by_side(*(_repeating(run, label, _CHAT, {"messages": _HI, "max_tokens": 4, "chat_template": template})
+                       for label, template in templates.items()))
 
 
 @attack("big-grammar", "2 clients posting a 0.4 MB literal grammar (400: --max-grammar-bytes) and a 100 KB one "
@@ -310,18 +301,8 @@ def big_grammar(run: AttackRun) -> None:
     big = {"prompt": "a", "max_tokens": 32, "structured_outputs": {"grammar": 'start: "' + "ab" * 50_000 + '"'}}
     bodies = [json.dumps(huge).encode(), json.dumps(big).encode()]
 
-    def loop(body: bytes, label: str) -> Callable[[], None]:
-        def go() -> None:
-            while run.going():
-                time.sleep(run.pause)
-                _labelled(run, label, "/v1/completions", body)
-        return go
-
-    threads = [threading.Thread(target=loop(bodies[0], "0.4MB")), threading.Thread(target=loop(bodies[1], "100KB"))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run.side_by_side(_repeating(run, "0.4MB", "/v1/completions", bodies[0]),
+                     _repeating(run, "100KB", "/v1/completions", bodies[1]))
 
 
 @attack("many-grammars", "4 clients posting distinct 20 KB json schemas, each compiled once "
@@ -352,11 +333,6 @@ def slow_compile(run: AttackRun) -> None:
     cheap = {"prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "[ab]{1,4}"}}
     waits: list[float] = []
 
-    def heavy() -> None:
-        while run.going():
-            time.sleep(run.pause)
-            _labelled(run, "choice", "/v1/completions", choice)
-
     def light() -> None:
         while run.going():
             time.sleep(run.pause)
@@ -364,11 +340,7 @@ def slow_compile(run: AttackRun) -> None:
             _labelled(run, "regex", "/v1/completions", cheap)
             waits.append(time.monotonic() - started)
 
-    threads = [threading.Thread(target=heavy), threading.Thread(target=light)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run.side_by_side(_repeating(run, "choice", "/v1/completions", choice), light)
     if waits:
         run.record(f"regex max {max(waits):.2f}s")
 
