@@ -326,3 +326,20 @@ class Report:
                 f"{100 * r.contention.others_share:>10.1f}%"
             )
         return "\n".join(lines + self.notes)
+
+
+def accuracy_args(parser: Any, argv: list[str] | None = None) -> Any:
+    """The teacher-forced accuracy scripts' shared options (prompts, tokens, prompt length, perplexity window,
+    threads, --json) added to ``parser``, parsed, and the torch thread count applied."""
+    import torch
+
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args

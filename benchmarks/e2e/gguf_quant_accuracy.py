@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
 
-from bench_common import DATA, greedy_outputs, packed_logits, span_logits, text_prompts  # noqa: E402
+from bench_common import DATA, accuracy_args, greedy_outputs, packed_logits, span_logits, text_prompts  # noqa: E402
 from bench_common import perplexity as text_perplexity  # noqa: E402
 
 from pagedkv import Engine, EngineConfig  # noqa: E402
@@ -109,19 +109,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--method", choices=["gguf", "int8", "int4"], default="gguf",
                         help="gguf: the file's Q4_1 blocks; int8/int4: the fp32 checkpoint quantized at load")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = accuracy_args(parser)
     result = measure(args)
     print(json.dumps(result, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common, workload, paged_case
 
-from bench_common import DATA, greedy_outputs, model_dir, packed_logits, text_prompts  # noqa: E402
+from bench_common import DATA, accuracy_args, greedy_outputs, model_dir, packed_logits, text_prompts  # noqa: E402
 from bench_common import perplexity as text_perplexity  # noqa: E402
 from bench_common import span_logits as forced_spans  # noqa: E402
 
@@ -143,20 +143,12 @@ def format_table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,tiny")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kv-dtypes", default=",".join(DTYPES), help="the cache dtypes to measure (auto is the base)")
     parser.add_argument("--chunk", type=int, default=4, help="sequences per teacher-forced forward pass")
     parser.add_argument("--scale-format", choices=("e5m3", "bf16"), default="e5m3",
                         help="the 8-bit rows' scale: the cache's own 1-byte E5M3, or the former 2-byte bfloat16 "
                              "(kv_scale_bf16.py), for a comparison on the same prompts")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = accuracy_args(parser)
     if args.scale_format == "bf16":
         import kv_scale_bf16  # next to this script
 
