@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--structured-outputs-allow-additional-properties", action="store_true",
       help="compile JSON schemas as given: an object schema that leaves additionalProperties unset lets the model "
       "add unlisted keys (default: off: such keys are forbidden, as by vLLM's default grammar backend)")
+    a("--adapt-threads", action=argparse.BooleanOptionalAction, default=True,
+      help="on CPU, step with fewer threads while other processes keep cores busy, back up when they stop "
+      "(each step's threads wait for each other: one descheduled thread stalls all) (default: %(default)s)")
     add_engine_arguments(parser, prefix_caching=True)
 
 
@@ -163,6 +166,19 @@ def default_served_names(model: str) -> list[str]:
     return [model] if basename in ("", model) else [model, basename]
 
 
+def _thread_share(engine: Any, args: argparse.Namespace) -> Any:
+    """``ThreadShare.tick`` for a one-process CPU engine with ``--adapt-threads``; None otherwise."""
+    config = engine.config
+    if not args.adapt_threads or not str(config.device).startswith("cpu") or config.tensor_parallel_size > 1:
+        return None
+    import torch
+
+    from pagedkv.core.thread_share import ThreadShare
+
+    share = ThreadShare(torch.get_num_threads(), torch.set_num_threads)
+    return share.tick
+
+
 def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults: dict[str, Any]) -> None:
     """Run the server for ``engine`` until a signal stops it."""
     from pagedkv.core.model.model_loader import DEFAULT_MODEL
@@ -184,6 +200,7 @@ def _serve(engine: Any, args: argparse.Namespace, api_key: str | None, defaults:
                          trust_request_chat_template=args.trust_request_chat_template,
                          stream_stall_timeout=args.stream_stall_timeout or None,
                          max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
-                         max_inflight_body_bytes=args.max_inflight_body_bytes)
+                         max_inflight_body_bytes=args.max_inflight_body_bytes,
+                         between_steps=_thread_share(engine, args))
     print(f"engine serve: {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

@@ -72,7 +72,8 @@ class AsyncEngine:
     counted with its ``n`` samples, so one ``n=64`` request cannot overfill a queue of 8);
     ``on_step`` is called on the loop thread after every step with the engine (metrics);
     ``stall_timeout`` (seconds, None: never) ends a request whose reader leaves an output unread
-    that long (:class:`StreamStalled`).
+    that long (:class:`StreamStalled`); ``between_steps`` is called on the loop thread before every step
+    (``core/thread_share.py``'s ``ThreadShare.tick``: the step's threads sized to the free cores).
 
     Under a priority scheduler a full queue is not the last word: a newcomer whose ``priority`` is
     strictly better than that of a waiting request that never ran evicts it (worst priority first,
@@ -82,8 +83,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, between_steps: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.between_steps = between_steps
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.stall_timeout = stall_timeout
@@ -208,6 +210,8 @@ class AsyncEngine:
                 self._observe()  # aborts may have emptied the engine: the gauges must show it
                 continue
             try:
+                if self.between_steps is not None:
+                    self.between_steps()
                 outputs = engine.step(stream=True)
             except Exception as exc:  # noqa: BLE001 - a failed step must not end the server
                 log.exception("engine step failed; ending the requests in flight")

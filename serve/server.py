@@ -30,8 +30,10 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
                 allow_additional_properties: bool = False, trust_request_chat_template: bool = False,
                 stream_stall_timeout: float | None = 15.0,
-                max_prompt_logprobs_tokens: int | None = None, max_inflight_body_bytes: int | None = None) -> Any:
-    """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread)."""
+                max_prompt_logprobs_tokens: int | None = None, max_inflight_body_bytes: int | None = None,
+                between_steps: Any = None) -> Any:
+    """A uvicorn server for ``engine`` (not started: ``.run()``, or ``.run(sockets=[...])`` in a thread);
+    ``between_steps``: called on the engine thread before each step (``engine serve --adapt-threads``)."""
     import uvicorn
 
     from pagedkv.serve.async_engine import AsyncEngine
@@ -43,7 +45,7 @@ def make_server(engine: Any, model_name: str, *, host: str = "127.0.0.1", port: 
         raise ValueError("an empty API key would turn authentication off")
     metrics = ServerMetrics(model_name, prefix=metrics_prefix)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.update_from_engine,
-                               stall_timeout=stream_stall_timeout)
+                               stall_timeout=stream_stall_timeout, between_steps=between_steps)
     state = ServerState(async_engine, metrics, model_name, api_key=api_key, tokenizer=tokenizer,
                         max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, enable_docs=enable_docs,
                         served_model_names=served_model_names, sampling_defaults=sampling_defaults,

@@ -1,0 +1,60 @@
+"""``engine serve`` sizes the step's threads between steps (issue 43, item 5): the async engine calls its
+``between_steps`` hook on the loop thread before every step, and the CLI gives it ``ThreadShare.tick`` on a
+one-process CPU engine unless ``--no-adapt-threads``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+
+from serve_helpers import tiny_chat_engine
+
+from pagedkv.cli.serve import _thread_share, add_arguments
+from pagedkv.core.sample.sampling_params import SamplingParams
+from pagedkv.serve.async_engine import AsyncEngine
+from pagedkv.serve.testing import byte_level_tokenizer
+
+
+def test_the_hook_runs_on_the_loop_thread_before_every_step():
+    engine = tiny_chat_engine(byte_level_tokenizer())
+    calls: list[tuple[str, int]] = []
+    owner: AsyncEngine | None = None
+
+    def hook() -> None:
+        calls.append((threading.current_thread().name, owner.steps))
+
+    owner = AsyncEngine(engine, between_steps=hook)
+
+    async def main() -> None:
+        handle = await owner.add([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), "r")
+        async for _ in handle:
+            pass
+
+    owner.start()
+    try:
+        asyncio.run(main())
+    finally:
+        owner.stop()
+    assert owner.steps >= 5
+    assert [name for name, _ in calls] == ["pagedkv-engine"] * owner.steps
+    assert [steps for _, steps in calls] == list(range(owner.steps))  # before each step, one call a step
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+class _Engine:
+    def __init__(self, device: str, tp: int = 1) -> None:
+        self.config = argparse.Namespace(device=device, tensor_parallel_size=tp)
+
+
+def test_serve_adapts_threads_on_cpu_by_default_and_not_when_told_or_elsewhere():
+    assert _args().adapt_threads is True
+    assert callable(_thread_share(_Engine("cpu"), _args()))
+    assert _thread_share(_Engine("cpu"), _args("--no-adapt-threads")) is None
+    assert _thread_share(_Engine("cuda:0"), _args()) is None
+    assert _thread_share(_Engine("cpu", tp=2), _args()) is None  # each worker process steps its own shard
