@@ -143,7 +143,7 @@ class EngineConfig:
     max_model_len: int | str | None = None  # None: the model's (capped by the cache); "auto": what the cache holds
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    dtype: str | torch.dtype = "float32"
+    dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, int8, fp8_e4m3, fp8_e5m2
     device: str = "auto"
     seed: int = 0

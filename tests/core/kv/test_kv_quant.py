@@ -222,7 +222,7 @@ def test_bytes_per_block_count_the_scales():
 
 
 def test_config_reads_the_flag_and_auto_is_the_model_dtype():
-    assert EngineConfig(device="cpu").kv_dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32").kv_dtype == torch.float32
     assert EngineConfig(device="cpu", dtype="bfloat16").kv_dtype == torch.bfloat16
     assert EngineConfig(device="cpu", kv_cache_dtype="INT8").kv_dtype == torch.int8
     assert EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2").kv_dtype == torch.float8_e5m2
