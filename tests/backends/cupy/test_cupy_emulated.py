@@ -170,6 +170,8 @@ CASES = [
                                         "head_dim": 6}),
     ("check_write_kv_8bit", "bfloat16", {"kv_dtype": "float8_e5m2"}),
     *[("check_fp8_write_rounding", "float32", {"kv_dtype": kv}) for kv in ("float8_e4m3fn", "float8_e5m2")],
+    *[("check_8bit_scale_edges", dt, {"kv_dtype": kv}) for dt in ("float32", "bfloat16")
+      for kv in ("int8", "float8_e4m3fn", "float8_e5m2")],
     # 8-bit caches read in the kernels: mixed decode / prefill, GQA 3 and 1, head dims 64 / 128, block sizes 16 / 7
     ("check_8bit_attention", "float16", {"seq_lens": [1, 17, 150, 33, 40], "query_lens": [1, 1, 1, 33, 7],
                                          "heads": [6, 2]}),
