@@ -25,7 +25,7 @@ from pagedkv.backends.triton.copy_blocks import copy_blocks  # noqa: E402
 from pagedkv.backends.triton.paged_attention import paged_attention  # noqa: E402
 from pagedkv.backends.triton.split_kv_decode import split_kv_decode  # noqa: E402
 from pagedkv.backends.triton.write_kv import write_kv  # noqa: E402
-from pagedkv.core.kv.kv_dtype import byte_view  # noqa: E402
+from pagedkv.core.kv.kv_dtype import QMAX, byte_view  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -44,6 +44,7 @@ def test_write_kv_matches_the_reference_bit_for_bit(kv_dtype, block_size):
     key[6, 0] = key[5, 2] * (1 + 2**-20)  # just above a grid point: the next code
     key[7, 1] *= 1e-36  # amax / 127 below the smallest scale: the smallest code, 1
     value[8, 1] *= 1e6  # above the largest scale (896): the largest code, clipped
+    value[0, 2] = torch.linspace(-1.0, 1.0, dim) * (QMAX[kv_dtype] * 1.625)  # amax / QMAX on the grid, any dtype
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[4] = -1
     caches = [torch.full((num_blocks, block_size, heads, dim + 1), 5, dtype=torch.int8).view(kv_dtype)
