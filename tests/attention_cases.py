@@ -46,11 +46,13 @@ def poisoned_cache(num_blocks, block_size, kv_heads, dim, kv_dtype):
 
 
 def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0,
-              kv_dtype=None):
+              kv_dtype=None, device="cpu"):
     """Fresh random K/V in a NaN-poisoned paged cache, placed through shuffled block tables.
 
     ``kv_dtype`` (default ``dtype``): the cache's storage dtype; an 8-bit one stores each row quantized, and
-    the returned keys/values are then the float64 dequantized rows, what attention must read."""
+    the returned keys/values are then the float64 dequantized rows, what attention must read.
+    ``device``: where the metadata, query and caches go (built on the CPU, so every device draws the same
+    numbers); the returned keys/values stay on the CPU, for :func:`reference`."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     needed = [math.ceil(n / block_size) for n in seq_lens]
@@ -77,16 +79,17 @@ def make_case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, dim=16, dty
     query = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
     meta = AttentionMetadata.build(
         block_tables=tables, context_lens=[n - q for n, q in zip(seq_lens, query_lens)],
-        query_lens=list(query_lens), block_size=block_size,
+        query_lens=list(query_lens), block_size=block_size, device=device,
     )
-    return meta, query, k_cache, v_cache, keys, values
+    return meta, query.to(device), k_cache.to(device), v_cache.to(device), keys, values
 
 
-def nan_scale_case(kv_dtype, dtype=torch.float32):
+def nan_scale_case(kv_dtype, dtype=torch.float32, device="cpu"):
     """Two decoding sequences whose first one's newest V row (KV head 0) has the NaN scale code: a kernel that
     decodes code 255 as NaN gives NaN for that sequence's first query-head group and finite values elsewhere
     (a V row: the cpu kernel's exp2 maps a NaN score to 0, so a NaN K row could vanish)."""
-    meta, q, k_cache, v_cache, *_ = make_case([9, 20], [1, 1], 16, dim=64, dtype=dtype, kv_dtype=kv_dtype)
+    meta, q, k_cache, v_cache, *_ = make_case([9, 20], [1, 1], 16, dim=64, dtype=dtype, kv_dtype=kv_dtype,
+                                              device=device)
     slot = int(meta.slot_mapping[0])
     split_cache(v_cache, 64)[1][slot // 16, slot % 16, 0] = SCALE_NAN
     return meta, q, k_cache, v_cache

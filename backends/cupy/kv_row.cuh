@@ -43,14 +43,25 @@ __device__ __forceinline__ float fp8_e4m3_to_float(unsigned char b) {
     return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
-// The scale code of a row whose largest magnitude is amax, for an 8-bit format whose largest value is qmax:
-// float32(amax / qmax) rounded up to 3 mantissa bits and rebiased, clamped to [1, 254]; 0 for a zero row,
-// 255 for a non-finite one. Decode it with kv_scale_value.
-__device__ __forceinline__ unsigned int kv_make_scale(float amax, float qmax) {
-    const float a = amax / qmax;
-    const unsigned int bits = __float_as_uint(a);
-    if (a == 0.0f) return 0u;
-    if (bits >= 0x7f800000u) return 255u;
+// |x| as an unsigned key: its float32 bits shifted past the sign. Keys order magnitudes by value (a NaN's
+// above infinity's, so a NaN row's amax is NaN, as torch's amax), and key >> 1 is |x|'s bits. No float
+// instruction may touch a row's amax: CuPy always compiles with -ftz=true, and then fabsf, fmaxf, division
+// and == all read a subnormal operand as 0, so a row of fp32 or bf16 subnormals would get code 0 where the
+// reference (IEEE, subnormals kept) gives code 1. (Not bits & 0x7fffffff: LLVM may rewrite that as fabs.)
+__device__ __forceinline__ unsigned int kv_magnitude_key(float x) { return __float_as_uint(x) << 1; }
+
+// The scale code of a row whose largest magnitude has the float32 bits amax_bits (its largest
+// kv_magnitude_key >> 1), for an 8-bit format whose largest value is qmax: float32(amax / qmax), IEEE-rounded,
+// rounded up to 3 mantissa bits and rebiased, clamped to [1, 254]; 0 when that quotient is 0, 255 for a
+// non-finite row. Decode it with kv_scale_value. Exact under -ftz=true: a subnormal amax (m * 2^-149, m its
+// bits) is decided on its bits, as IEEE rounds m * 2^-149 / qmax to 0 exactly when m <= qmax / 2 (a tie, at
+// an even qmax, goes to the even 0) and otherwise to a subnormal, whose code is 1; a normal amax's quotient
+// is IEEE-rounded (-prec-div, NVRTC's default), and one below 2^-126 that flushes to 0 still gets code 1, as
+// every quotient up to 2^-22 does.
+__device__ __forceinline__ unsigned int kv_make_scale(unsigned int amax_bits, float qmax) {
+    if (amax_bits >= 0x7f800000u) return 255u;
+    if (amax_bits < 0x00800000u) return amax_bits <= static_cast<unsigned int>(qmax * 0.5f) ? 0u : 1u;
+    const unsigned int bits = __float_as_uint(__uint_as_float(amax_bits) / qmax);
     const int code = static_cast<int>((bits + 0xfffffu) >> 20) - (105 << 3);
     return static_cast<unsigned int>(code < 1 ? 1 : code > 254 ? 254 : code);
 }

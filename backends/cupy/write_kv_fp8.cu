@@ -46,9 +46,12 @@ __global__ void __launch_bounds__(128) pagedkv_write_kv_fp8(
         const typename DT::storage* src = is_v ? value + t * value_stride_t + h * value_stride_h
                                                : key + t * key_stride_t + h * key_stride_h;
         unsigned char* dst = (is_v ? v_cache : k_cache) + (slot * num_kv_heads + h) * row;
-        float amax = 0.0f;
-        for (int d = 0; d < head_dim; ++d) amax = fmaxf(amax, fabsf(DT::to_float(src[d])));
-        const unsigned int code = kv_make_scale(amax, qmax);
+        unsigned int amax_key = 0u;  // integers only: see kv_magnitude_key
+        for (int d = 0; d < head_dim; ++d) {
+            const unsigned int key_d = kv_magnitude_key(DT::to_float(src[d]));
+            amax_key = key_d > amax_key ? key_d : amax_key;
+        }
+        const unsigned int code = kv_make_scale(amax_key >> 1, qmax);
         const float scale = kv_scale_value(code);
         const float divisor = scale > 0.0f ? scale : 1.0f;  // a zero or NaN scale divides by 1
         for (int d = 0; d < head_dim; ++d) {

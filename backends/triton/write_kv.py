@@ -6,9 +6,9 @@ No arithmetic touches the values: a row is loaded, converted to the cache dtype
 
 An int8 cache (``QUANT``) quantizes in the same program, bit for bit as ``core/kv/kv_dtype.py``: the row's
 E5M3 scale code from ``amax / 127`` by integer arithmetic on its float32 bits (rounded up to 3 mantissa
-bits), ``x / scale`` (IEEE-rounded division), clamped and rounded half to even, and the code stored in the
-byte after the row. fp8 caches are written by the reference's op (the interpreter's fp8 casts do not round
-to nearest); the kernels read them.
+bits), ``x / scale``, clamped and rounded half to even, and the code stored in the byte after the row; both
+divisions IEEE-rounded (``div_rn``). fp8 caches are written by the reference's op (the interpreter's fp8
+casts do not round to nearest); the kernels read them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def _scale_code(a):
 def _store_int8_rows(x, cache_ptr, scale_ptr, rows, offs_d, stride_d, mask, h_mask, HEAD_DIM: tl.constexpr):
     """Quantize rows ``x`` ``[H_PAD, D_PAD]`` (masked lanes 0) into int8 values plus an E5M3 scale byte each."""
     x = x.to(tl.float32)
-    code = _scale_code(max_along(tl.abs(x), 1) / 127.0)
+    # div_rn, not ``/``: Triton compiles an fp32 ``/`` to div.full.f32 (up to 2 ulp off), which can push an
+    # amax / 127 that lies on the scale grid to the next code; the reference divides IEEE-rounded.
+    code = _scale_code(tl.math.div_rn(max_along(tl.abs(x), 1), 127.0))
     scale = e5m3_scale(code)
     divisor = tl.where(scale > 0.0, scale, 1.0)  # a zero or NaN scale divides by 1
     y = tl.math.div_rn(x, divisor[:, None])

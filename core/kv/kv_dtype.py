@@ -51,7 +51,8 @@ def split_cache(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch
 def scale_code(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """The E5M3 code (int64) of the smallest scale on the byte's grid >= ``float32(amax / qmax)``: its float32
     bits rounded up to 3 mantissa bits, rebiased. 0 for a zero row, SCALE_NAN for a non-finite one."""
-    a = amax.float() / qmax
+    amax = amax.float()
+    a = amax / torch.full_like(amax, qmax)  # not "/ qmax": CUDA torch multiplies by 1/qmax then (1 ulp off)
     bits = a.view(torch.int32).to(torch.int64)  # amax >= 0 (or NaN): the sign bit is clear
     code = (((bits + 0xFFFFF) >> 20) - ((127 - SCALE_BIAS) << 3)).clamp(1, SCALE_NAN - 1)
     code = torch.where(bits >= 0x7F800000, SCALE_NAN, code)

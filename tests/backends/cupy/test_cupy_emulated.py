@@ -10,6 +10,8 @@ exercised too. It all runs in a subprocess, because the stand-in has to make
 torch claim a CUDA device. This cannot see GPU-only faults (alignment traps,
 races the OS scheduler does not expose, register limits): ``test_cupy_gpu.py``
 on a GPU remains the real check. Skipped without g++ (C++20, <barrier>).
+Each emulated CUDA thread flushes subnormals (x86 MXCSR FTZ and DAZ, Arm FPCR FZ), as
+the GPU does: CuPy always compiles the kernels with ``-ftz=true``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ SHIM = r"""// Host emulation of the CUDA features the pagedkv kernels use: one O
 #include <algorithm>
 #include <utility>
 #include <type_traits>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+// CuPy compiles every kernel with -ftz=true: float instructions read subnormal operands as (signed) zero
+// and flush subnormal results. Each emulated thread does the same, so a kernel that relies on subnormals
+// fails here as it does on the GPU.
+static inline void emu_flush_subnormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(_mm_getcsr() | 0x8040u);  // FTZ (bit 15) and DAZ (bit 6)
+#elif defined(__aarch64__)
+    unsigned long fpcr;
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+    asm volatile("msr fpcr, %0" : : "r"(fpcr | (1ul << 24)));  // FZ
+#endif
+}
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct uint4 { unsigned x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -102,6 +119,7 @@ static void launch(void (*k)(Args...), dim3 grid, dim3 block, size_t smem, void*
         std::vector<std::thread> ts;
         for (unsigned t = 0; t < nt; ++t)
             ts.emplace_back([=] {
+                emu_flush_subnormals();
                 threadIdx = dim3{t, 0, 0};
                 blockIdx = dim3{x, y, z};
                 call_with(k, p, std::index_sequence_for<Args...>{});
@@ -152,6 +170,8 @@ CASES = [
                                         "head_dim": 6}),
     ("check_write_kv_8bit", "bfloat16", {"kv_dtype": "float8_e5m2"}),
     *[("check_fp8_write_rounding", "float32", {"kv_dtype": kv}) for kv in ("float8_e4m3fn", "float8_e5m2")],
+    *[("check_8bit_scale_edges", dt, {"kv_dtype": kv}) for dt in ("float32", "bfloat16")
+      for kv in ("int8", "float8_e4m3fn", "float8_e5m2")],
     # 8-bit caches read in the kernels: mixed decode / prefill, GQA 3 and 1, head dims 64 / 128, block sizes 16 / 7
     ("check_8bit_attention", "float16", {"seq_lens": [1, 17, 150, 33, 40], "query_lens": [1, 1, 1, 33, 7],
                                          "heads": [6, 2]}),

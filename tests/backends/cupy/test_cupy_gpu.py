@@ -309,6 +309,46 @@ def check_fp8_write_rounding(backend, device, dtype, kv_dtype):
     assert torch.equal(byte_view(v_cache).cpu(), byte_view(want_v))
 
 
+def check_8bit_scale_edges(backend, device, dtype, kv_dtype):
+    """Rows whose amax sits on the edges of the scale code (``dtype`` float32 or bfloat16, which have
+    subnormals): float32(amax / QMAX) is 0 (code 0) up to an amax of QMAX / 2 subnormal steps and the
+    smallest code 1 just above; the largest subnormal and smallest normal amax; an amax whose quotient is
+    the smallest normal, or the smallest scale, and the floats around them; an infinite row. The bytes
+    equal the reference's: the kernels decide these on integer bits, as the GPU (-ftz=true) flushes every
+    subnormal operand of a float instruction to zero."""
+    from pagedkv.backends.torch_ref.attention import write_kv as reference_write_kv
+    from pagedkv.core.kv.kv_dtype import QMAX, byte_view
+
+    kv_dtype = getattr(torch, kv_dtype)
+    qmax = QMAX[kv_dtype]
+    half = int(qmax // 2)  # IEEE rounds m * 2^-149 / qmax to 0 for m <= qmax / 2
+    bits = [0, 1, half - 1, half, half + 1, 0x7FFFFF, 0x800000]
+    for boundary in (qmax * 2.0**-126, qmax * 1.125 * 2.0**-22):  # quotient = the smallest normal / scale
+        b = int(torch.tensor(boundary, dtype=torch.float32).view(torch.int32))
+        bits += [b - 1, b, b + 1]
+    amax = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    amax = torch.cat([amax, torch.tensor([float("inf")])])
+    head_dim = 16
+    key = (amax[:, None] * torch.linspace(-1.0, 1.0, head_dim)).to(dtype)[:, None]  # amax at both ends
+    value = key.flip(0)
+    shape = (key.shape[0], 1, 1, head_dim + 1)
+    k_cache = torch.full(shape, 9, dtype=torch.int8).view(kv_dtype).to(device)
+    v_cache = torch.full(shape, 9, dtype=torch.int8).view(kv_dtype).to(device)
+    slots = torch.arange(key.shape[0])
+    with kernels_only("write_kv"):
+        backend.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
+    want_k = torch.full(shape, 9, dtype=torch.int8).view(kv_dtype)
+    want_v = want_k.clone()
+    reference_write_kv(key, value, want_k, want_v, slots)
+    got, want = byte_view(k_cache).cpu()[:, 0, 0], byte_view(want_k)[:, 0, 0]
+    bad = (got != want).any(-1).nonzero().view(-1).tolist()
+    amax_bits = [bits[i] for i in bad if i < len(bits)]
+    codes, want_codes = got[bad, -1].view(torch.uint8).tolist(), want[bad, -1].view(torch.uint8).tolist()
+    assert not bad, f"{kv_dtype} from {dtype}: rows {bad} (float32 amax bits {amax_bits}): scale codes {codes}, " \
+                    f"the reference's {want_codes}"
+    assert torch.equal(byte_view(v_cache).cpu(), byte_view(want_v))
+
+
 @contextlib.contextmanager
 def kernels_only(op: str):
     """Make the torch reference's ``op`` (``paged_attention``, ``write_kv``) fail while the block runs, so a
@@ -477,6 +517,12 @@ def test_8bit_cache_write_and_read(backend, dtype, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_write_rounds_to_nearest_even(backend, kv_dtype):
     check_fp8_write_rounding(backend, "cuda", torch.float32, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_scale_code_edges_match_the_reference(backend, dtype, kv_dtype):
+    check_8bit_scale_edges(backend, "cuda", dtype, kv_dtype)
 
 
 EIGHT_BIT = ["int8", "float8_e4m3fn", "float8_e5m2"]

@@ -81,7 +81,8 @@ class Batch:
 
         num_tokens = sum(q for q, _ in specs)
         if fused_qkv:  # q is a strided view, as when q/k/v come out of one projection
-            self.query = rand(num_tokens, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
+            # sliced on DEVICE: moving a strided view to another device copies it into a contiguous tensor
+            self.query = rand(num_tokens, num_heads + 2 * num_kv_heads, head_dim).to(DEVICE)[:, :num_heads]
         else:
             self.query = rand(num_tokens, num_heads, head_dim)
         self.specs = specs
@@ -172,7 +173,8 @@ def test_cache_dtypes_each_within_their_tolerance(dtype: torch.dtype) -> None:
 
 def test_query_as_strided_view_of_fused_qkv() -> None:
     batch = Batch([(1, 21), (6, 10)], heads=(4, 2), head_dim=64, block_size=16, fused_qkv=True, seed=8)
-    assert not batch.query.is_contiguous()
+    assert not batch.query.is_contiguous() and batch.query.stride(0) == (4 + 2 * 2) * 64  # a view of fused rows
+    assert batch.query.device.type == torch.device(DEVICE).type
     batch.check(batch.run_paged())
 
 
