@@ -99,7 +99,7 @@ def test_an_aborted_requests_matchers_are_released_at_once():
 
 def test_an_evicted_grammar_is_freed_once_its_requests_end():
     plugin = WatchedMatchers()
-    engine = watched_engine(plugin, grammar_cache_bytes=1)  # the cache keeps only the newest grammar
+    engine = watched_engine(plugin, grammar_cache_bytes=300 * 1024)  # room for one small grammar (256 KiB + ...)
     engine.add_request("x", constrained("[a-z]{4,8}"), request_id="a")
     run_out(engine)
     engine.check_structured(StructuredOutputs(regex="[0-9]{4,8}"))  # evicts the first one
