@@ -31,6 +31,19 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "the grammar failed"
 
 
+def guidance_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int, eos: list[int] | None) -> Any:
+    """llguidance's tokenizer: from pagedkv's FastTokenizer's own JSON (transformers never imported: ~120 MiB
+    of RSS and seconds on the first constrained request, benchmarks/JOURNAL.md), else from a transformers one."""
+    tokenizers_json = getattr(tokenizer, "tokenizers_json", None)
+    if callable(tokenizers_json):
+        return llguidance.LLTokenizer(tokenizers_json(), n_vocab=vocab_size,
+                                      eos_token=eos if eos is not None else tokenizer.eos_token_id)
+    import llguidance.hf  # (imports transformers)
+
+    hf_tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)  # (a wrapper may hand one over)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+
 class GuidanceMatcher:
     __slots__ = ("inner",)
 
@@ -61,8 +74,7 @@ class GuidanceBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Any) -> None:
         try:
-            import llguidance
-            import llguidance.hf  # (not llguidance.torch: it runs torch.compile at import, seconds of start-up)
+            import llguidance  # (not llguidance.torch: it runs torch.compile at import, seconds of start-up)
         except ImportError as exc:
             raise GrammarError("structured outputs need llguidance: pip install 'pagedkv[structured]'") from exc
         self._ll = llguidance
@@ -70,10 +82,7 @@ class GuidanceBackend:
         if eos is None and getattr(tokenizer, "eos_token_id", None) is None:
             raise GrammarError("structured outputs need an end-of-sequence token, and this model has none")
         try:
-            # pagedkv's FastTokenizer hands over the transformers tokenizer of the same files (llguidance reads
-            # transformers' class); loaded here, on the compile thread, not at start-up
-            hf_tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
-            self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+            self.tokenizer = guidance_tokenizer(llguidance, tokenizer, vocab_size, eos)
         except ValueError as exc:
             raise GrammarError(f"llguidance cannot use this tokenizer: {exc}") from exc
         self.executor = llguidance.LLExecutor()

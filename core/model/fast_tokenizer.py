@@ -5,12 +5,13 @@
 class answers natively what pagedkv calls: ``__call__(...)["input_ids"]``, ``decode``,
 ``convert_ids_to_tokens``, ``get_vocab``, ``eos_token_id``, ``chat_template`` and
 ``apply_chat_template`` (rendered as transformers renders it: see :mod:`.chat_render`). Anything else
-(another argument, a rarer method, the grammar backend's tokenizer) loads transformers' tokenizer once,
+(another argument, a rarer method) loads transformers' tokenizer once,
 lazily, and is delegated to it, so rare paths keep working exactly as before.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,15 @@ class FastTokenizer:
             return self._backend.id_to_token(ids)
         skip = set(self.all_special_ids) if skip_special_tokens else set()
         return [self._backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    def tokenizers_json(self) -> str:
+        """The ``tokenizers`` backend as JSON, padding and truncation off: what a grammar backend builds its own
+        tokenizer from (llguidance reads transformers' tokenizer the same way, but importing transformers for it
+        costs ~120 MiB of RSS and seconds)."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)

@@ -6,7 +6,8 @@ future, so a hundred requests with the same schema compile it once. Every compil
 over ``max_bytes`` (its canonical text) is refused before any work, and one still running after
 ``timeout_s`` fails (its request answers 400; the native compile cannot be stopped, so it finishes in the
 background and its result is dropped). The cache of compiled grammars is bounded by estimated bytes as
-well as by count; what it evicts is freed once no live request holds a matcher of it.
+well as by count (a grammar bigger than the whole byte budget is not kept at all); what it evicts is freed once
+no live request holds a matcher of it.
 
 The server calls :meth:`GrammarCompiler.check` from its request handler (through a thread) to answer a 400
 before queueing; the engine calls :meth:`submit` and parks the request until the future is done (see
@@ -30,9 +31,10 @@ CACHE_BYTES = 512 * 2**20  # their estimated memory at most (vLLM's xgrammar cac
 COMPILE_WORKERS = 2
 COMPILE_TIMEOUT_S = 10.0
 MAX_GRAMMAR_BYTES = 128 * 1024
-# A grammar's memory when its backend does not say (``CompiledGrammar.nbytes``): llguidance measured once
-# (benchmarks/JOURNAL.md, issue 42) at ~400-530 bytes of RSS per byte of grammar text after 20 masks, plus
-# a small fixed part
+# A grammar's memory when its backend does not say (``CompiledGrammar.nbytes``): llguidance measured
+# (benchmarks/JOURNAL.md, issue 42) at ~400-530 bytes of RSS per byte of grammar text after 20 masks for long
+# literals, the worst case (a 100 KB literal holds ~40 MiB, estimated 49); an upper bound for the rest (JSON
+# schemas, choices and regexes hold 4-13x less than estimated), plus a small fixed part
 BASE_BYTES = 256 * 1024
 BYTES_PER_GRAMMAR_BYTE = 512
 
@@ -128,6 +130,9 @@ class GrammarCompiler:
     def _account(self, key: str, future: Future[CompiledGrammar], nbytes: int) -> None:
         with self._lock:
             if self._cache.get(key) is not future:  # evicted while compiling: the waiters hold it, nobody else
+                return
+            if nbytes > self._cache_bytes:  # bigger than the whole budget: its waiters have it, the cache does not
+                del self._cache[key]
                 return
             self._sizes[key] = nbytes
             self.cached_bytes += nbytes

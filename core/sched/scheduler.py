@@ -117,7 +117,7 @@ class FCFSScheduler:
         return []
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of the queues and give back its blocks."""
+        """Take a sequence out of the queues and give back its blocks and its grammar state."""
         status = seq.status
         if status is SequenceStatus.RUNNING:
             self._remove_running(seq)
@@ -127,6 +127,9 @@ class FCFSScheduler:
             self.swapped.remove(seq)
             self.swap_space.free(seq)
         self.allocator.free(seq)
+        # its grammar state goes now: whatever still refers to the finished sequence (a mask worker's
+        # bookkeeping, an output) must not keep the matcher, and through it an evicted compiled grammar
+        seq.matcher = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.events.emit("request_finish", request=seq.request_id, reason=reason, generated=len(seq.output_token_ids))

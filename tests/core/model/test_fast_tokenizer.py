@@ -173,3 +173,40 @@ def test_structured_outputs_on_the_native_path(tmp_path):
     outputs, _ = drain(engine)
     assert all(outputs[i].outputs[0].text in choices for i in ids)
     assert engine.pool.num_used == 0
+
+
+def test_grammar_tokenizer_from_the_native_json_same_as_from_transformers(smollm2_pair):
+    """llguidance's tokenizer built from FastTokenizer's JSON (no transformers) equals the one llguidance builds
+    from transformers' tokenizer: the same bytes and special flag for every token, the same tokenization."""
+    pytest.importorskip("llguidance")
+    import llguidance
+    import llguidance.hf
+
+    from pagedkv.plugins.llguidance_backend import guidance_tokenizer
+
+    ours, theirs = smollm2_pair
+    native = guidance_tokenizer(llguidance, ours, len(theirs), None)
+    reference = llguidance.hf.from_tokenizer(theirs, n_vocab=len(theirs))
+    assert native.vocab_size == reference.vocab_size and native.eos_token == reference.eos_token
+    ids = list(range(len(theirs)))
+    assert [native.decode_bytes([i]) for i in ids] == [reference.decode_bytes([i]) for i in ids]
+    assert [native.is_special_token(i) for i in ids] == [reference.is_special_token(i) for i in ids]
+    for text in TEXTS:
+        assert native.tokenize_str(text) == reference.tokenize_str(text), text
+
+
+def test_the_grammar_backend_on_the_native_tokenizer_imports_no_transformers(tmp_path):
+    """The first constrained request built llguidance's tokenizer through transformers: +120 MiB of RSS kept
+    and seconds (issue 42, big-grammar's RSS)."""
+    pytest.importorskip("llguidance")
+    from tiny_checkpoint import save_tiny
+
+    path = save_tiny(tmp_path)
+    code = ("import sys, pathlib; from pagedkv.core.model.fast_tokenizer import FastTokenizer; "
+            "from pagedkv.plugins.llguidance_backend import GuidanceBackend; "
+            "from pagedkv.core.sample.structured_output import StructuredOutputs; "
+            f"t = FastTokenizer(pathlib.Path({str(path)!r})); b = GuidanceBackend(t, len(t), [t.eos_token_id]); "
+            "b.compile(StructuredOutputs(regex='[a-z]+')).matcher(); "
+            "print(sorted(k for k in sys.modules if k.split('.')[0] == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]"

@@ -107,3 +107,16 @@ def test_the_engine_estimates_llguidance_grammars_and_keeps_the_cache_within_its
     with pytest.raises(RequestRejected, match="--max-grammar-bytes"):
         engine.check_structured(StructuredOutputs(grammar='start: "' + "ab" * 40_000 + '"'))
     engine.close()
+
+
+def test_a_grammar_bigger_than_the_whole_byte_budget_is_answered_but_not_kept():
+    backend = GatedBackend(nbytes=3 * 2**20)
+    compiler = GrammarCompiler(lambda: backend, cache_bytes=2 * 2**20)
+    grammar = compiler.check(regex("x"))
+    assert isinstance(grammar, Grammar)  # its request still gets it
+    assert len(compiler) == 0 and compiler.cached_bytes == 0
+    ref = weakref.ref(grammar)
+    del grammar
+    gc.collect()
+    assert ref() is None
+    compiler.close()
