@@ -173,8 +173,8 @@ def add_grammar_arguments(a: Any) -> None:
       help="a constraint still compiling after this answers 400 (default: %(default)s)")
     a("--max-grammar-bytes", type=human_int, default=128 * 1024,
       help="a constraint (schema, regex, grammar, choices) over this many bytes answers 400 (default: %(default)s)")
-    a("--grammar-cache-bytes", type=byte_size, default=512 * 2**20,
-      help="compiled grammars kept, by estimated memory, e.g. 256MiB (default: 512MiB)%(default).0s")
+    a("--grammar-cache-bytes", type=byte_size, default=32 * 2**20,
+      help="compiled grammars kept, by estimated memory, e.g. 256MiB (default: 32MiB; vLLM keeps 512MiB)%(default).0s")
 
 
 def engine_config(args: argparse.Namespace) -> Any:

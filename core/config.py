@@ -159,7 +159,7 @@ class EngineConfig:
     grammar_compile_workers: int = 2
     grammar_compile_timeout: float = 10.0
     max_grammar_bytes: int = 128 * 1024
-    grammar_cache_bytes: int | str = 512 * 2**20
+    grammar_cache_bytes: int | str = 32 * 2**20
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     @property

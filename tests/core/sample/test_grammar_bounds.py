@@ -120,3 +120,16 @@ def test_a_grammar_bigger_than_the_whole_byte_budget_is_answered_but_not_kept():
     gc.collect()
     assert ref() is None
     compiler.close()
+
+
+def test_by_default_one_clients_100kb_literal_is_not_kept_in_the_server():
+    # issue 42: RSS within 10% of an idle ~330 MiB server after the attack; a 100 KB literal compiles to
+    # ~40 MiB (estimated ~49 MiB), so the default budget keeps no such grammar
+    backend = GatedBackend(nbytes=None)
+    compiler = GrammarCompiler(lambda: backend)
+    compiler.check(StructuredOutputs(grammar='start: "' + "ab" * 50_000 + '"'))
+    assert len(compiler) == 0 and compiler.cached_bytes == 0
+    small = compiler.check(regex("[0-9]{3}"))  # a common constraint is still kept
+    assert isinstance(small, Grammar) and len(compiler) == 1
+    compiler.close()
+    assert EngineConfig(device="cpu").grammar_cache_bytes <= 33 * 2**20
