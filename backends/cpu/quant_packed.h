@@ -57,7 +57,7 @@ inline Group group(const Args& a, int g) {
   return {q, d, d + blocks * width * 2, width};
 }
 
-// C consecutive fp16 values at p as floats: one conversion instruction for 4 or 8 where the build has F16C.
+// C consecutive fp16 values at p as floats: one conversion instruction for 2, 4 or 8 where the build has F16C.
 template <int C>
 inline void halves(const uint8_t* p, float* out) {
 #if defined(__F16C__)
@@ -67,6 +67,13 @@ inline void halves(const uint8_t* p, float* out) {
   }
   if constexpr (C == 4) {
     _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return;
+  }
+  if constexpr (C == 2) {
+    int32_t bits;
+    std::memcpy(&bits, p, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    out[0] = _mm_cvtss_f32(f), out[1] = _mm_cvtss_f32(_mm_movehdup_ps(f));
     return;
   }
 #endif
