@@ -57,6 +57,12 @@ inline void tile(const Args& a, const Group& g, int c0, int64_t r0, int n0) {
     for (int c = 0; c < C; ++c) {  // one row's values live at a time (all C would spill the accumulators)
       vfloat v[kQChunks];
       values<F>(q + c * Packed<F>::kQBytes, v);
+      if constexpr (F == 0 && R == 1) {  // Q8_0 at one row: the block's sum of x q, scaled once (one fma fewer)
+        vfloat part = v[0] * load(x + b * kQBlock);
+        for (int j = 1; j < kQChunks; ++j) part += v[j] * load(x + b * kQBlock + j * kLanes);
+        acc[0][c] += part * d[c];
+        continue;
+      }
       for (int j = 0; j < kQChunks; ++j) {
         const vfloat wv = F == 0 ? v[j] * d[c] : v[j] * d[c] + m[c];
         for (int r = 0; r < R; ++r) acc[r][c] += load(x + r * a.ldx + b * kQBlock + j * kLanes) * wv;
