@@ -41,7 +41,7 @@ SOURCES = ("attention.cpp", "kv_write.cpp", "linear.cpp", "llama_layer.cpp")
 UNIT_FLAGS = {"attention.cpp": ("--param", "inline-unit-growth=80")}
 # included by SOURCES: part of the cache key
 HEADERS = ("simd.h", "numerics.h", "paged.h", "general.h", "decode.h", "prefill.h", "decode_int8.h", "linear.h",
-           "llama_block.h", "quant_blocks.h", "quant_linear.h", "quant_int8.h")
+           "llama_block.h", "quant_blocks.h", "quant_packed.h", "quant_linear.h", "quant_int8.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 # Instruction set -> (-march flags, /proc/cpuinfo flags the CPU needs to run the build), best first.
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"})

@@ -1,8 +1,8 @@
 """The cpu backend's fused Llama layer on GGUF-block weights (``quant_linear.h``'s layer calls), offered to pagedkv's
 own Llama as its :class:`~pagedkv.core.model.llama_model.LlamaLayerKernel` when the model's linears are
 :class:`~pagedkv.core.model.quant_linear.QuantLinear`: the same two calls as ``llama_layers.py`` (norm, q/k/v and
-rotary; o_proj, norm, gate/up, SiLU, down_proj), with each projection read from its blocks in place (no packed
-copy: the weights stay the file's size)."""
+rotary; o_proj, norm, gate/up, SiLU, down_proj), with each projection read from its blocks (repacked at load) in place
+(no second copy: the weights stay the file's size)."""
 
 from __future__ import annotations
 

@@ -1,63 +1,92 @@
-// y = x W^T for fp32 activations x and a weight W kept in a GGUF block format (quantization gguf): Q8_0, Q4_0,
-// Q4_1 (core/model/quant_formats.py has the byte layouts). Included by attention.cpp after the other kernels; it
-// uses simd.h's vector layer (kLanes floats a vector, add_lanes).
+// y = x W^T for fp32 activations x and a weight W in a GGUF block format (quantization gguf): Q8_0, Q4_0, Q4_1,
+// repacked at load into quant_packed.h's layout (groups of kGroup weight rows, values and fp16 scales apart, the
+// file's size). Included by attention.cpp after the other kernels; it uses simd.h's vector layer.
 //
 // Why: a decode step at small batch is bound by the bytes of the weights it reads, and these blocks are 4.5-8.5
-// bits a weight where fp32 is 32. The weights stay in the file's layout (row after row of 32-value blocks, no
-// repacking, so the resident weights are the file's size) and are de-quantized in registers: each kLanes-value
-// chunk of a block is widened to floats (int8 sign-extended, or a nibble masked), scaled (q * d + m, one fused
-// multiply-add; Q4_0's m is -8 d, Q8_0's is 0) and used at once by every activation row of the tile.
+// bits a weight where fp32 is 32. They are de-quantized in registers: a row's block is widened to kQChunks float
+// vectors of its quantized values (quant_packed.h's values), each scaled (q d + m, one fused multiply-add; Q4_0's
+// m is -8 d, Q8_0's 0) and used at once by every activation row of the tile. The tile's C scales of a block are
+// converted together, once a block (the file layout converted one per row and block, and loaded the values
+// unaligned: the kernel ran at ~7 GB/s of weights against ~40 GB/s for fp32, compute-bound; benchmarks/JOURNAL.md).
 //
-// Tile: R activation rows x C weight rows, R x C accumulator vectors (one per output, reduced across lanes at
-// the end), one de-quantized weight vector with its scale and offset, and one activation vector in registers
-// (AVX-512, 32 registers: R <= 6, C = 8 for 1-2 rows, 4 for more; AVX2, 16 registers: R <= 4, C = 4 or 2). Threads take equal contiguous ranges of
-// kQColBlock weight rows; within a range, each block of kQColBlock weight rows (16 rows of Q4_1 at k = 1536 are
-// 15 KB: L1) is used by every row tile of x before the next is read, so memory streams each weight byte once.
-// Sums are fp32 fused multiply-adds in k order per lane, so results differ from a float64 product of the
-// de-quantized weights by rounding only (tests/backends/cpu/test_cpu_quant_linear.py).
+// Tile: R activation rows x C weight rows of one group, R x C accumulator vectors (one per output, reduced across
+// lanes at the end) and one block's value vectors in registers (AVX-512, 32 registers: R <= 6, C = 8 for 1-2 rows,
+// 4 for more; AVX2, 16 registers: R <= 4, C = 4 or 2). Threads take equal contiguous ranges of kQColBlock weight
+// rows (two groups); within a range, each block of kQColBlock weight rows is used by every row tile of x before
+// the next is read, so memory streams each weight byte once. Sums are fp32 fused multiply-adds in k order per
+// lane, so results differ from a float64 product of the de-quantized weights by rounding only
+// (tests/backends/cpu/test_cpu_quant_linear.py).
 
 #pragma once
 
-#include "quant_blocks.h"  // the block formats, their de-quantization and Args
+#include "quant_packed.h"  // the repacked layout, its values and scales (and quant_blocks.h's Args)
 
 namespace {
 namespace pagedkv_quant {
 
-// y[r0 + r, n0 + c] for r < R, c < C: one register tile over every block of the C weight rows.
+static_assert(kQColBlock % kGroup == 0 && kGroup % qcols(1) == 0 && kGroup % qcols(kQRows) == 0,
+              "tiles lie in one group and ranges start on a group");
+
+// The C scales and offsets of block b of tile columns [c0, c0 + C) of group g.
+template <int F, int C>
+inline void block_scales(const Group& g, int64_t b, int c0, float* d, float* m) {
+  halves<C>(g.d + (b * g.width + c0) * 2, d);
+  if constexpr (Packed<F>::kOffset) {
+    halves<C>(g.m + (b * g.width + c0) * 2, m);
+  } else {
+    for (int c = 0; c < C; ++c) m[c] = F == 1 ? -8.0f * d[c] : 0.0f;
+  }
+}
+
+// y[r0 + r, n0 + c] for r < R, c < C: one register tile over every block of columns [c0, c0 + C) of group g, whose
+// first weight row is n0.
 template <int F, int R, int C>
-inline void tile(const Args& a, int64_t r0, int n0) {
+inline void tile(const Args& a, const Group& g, int c0, int64_t r0, int n0) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vfloat{};
   const float* x = a.x + r0 * a.ldx;
-  const uint8_t* w = a.w + n0 * a.row_bytes;
-  for (int b = 0; b < a.k / kQBlock; ++b) {
-    // column by column: one weight vector, its scale and offset live at a time (holding all C would spill the
-    // accumulators); the activation vectors are reloaded from L1 for each column
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + c * a.row_bytes + b * Format<F>::kBytes;
-      float d, m;
-      Format<F>::scales(blk, d, m);
+  const int64_t blocks = a.k / kQBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float d[C], m[C];
+    block_scales<F, C>(g, b, c0, d, m);
+    // 1-2 rows: through memory, so each use is a broadcast load (a load port) instead of a register shuffle (the
+    // shuffle ports also widen and look up the values): +15-25% at batch 1; with more rows it cost 30% (JOURNAL)
+    if constexpr (R <= 2) asm volatile("" : "+m"(d), "+m"(m));
+    const uint8_t* q = g.q + (b * g.width + c0) * Packed<F>::kQBytes;
+    for (int c = 0; c < C; ++c) {  // one row's values live at a time (all C would spill the accumulators)
+      vfloat v[kQChunks];
+      values<F>(q + c * Packed<F>::kQBytes, v);
+      if constexpr (F == 0 && R == 1) {  // Q8_0 at one row: the block's sum of x q, scaled once (one fma fewer)
+        vfloat part = v[0] * load(x + b * kQBlock);
+        for (int j = 1; j < kQChunks; ++j) part += v[j] * load(x + b * kQBlock + j * kLanes);
+        acc[0][c] += part * d[c];
+        continue;
+      }
       for (int j = 0; j < kQChunks; ++j) {
-        const vfloat wv = Format<F>::chunk(blk, j, d, m);
+        const vfloat wv = F == 0 ? v[j] * d[c] : v[j] * d[c] + m[c];
         for (int r = 0; r < R; ++r) acc[r][c] += load(x + r * a.ldx + b * kQBlock + j * kLanes) * wv;
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float& out = a.y[(r0 + r) * a.ldy + n0 + c];
+      float& out = a.y[(r0 + r) * a.ldy + n0 + c0 + c];
       out = a.accumulate ? out + add_lanes(acc[r][c]) : add_lanes(acc[r][c]);
     }
 }
 
-// Weight rows [n0, n1) against activation rows [r0, r0 + R): C-row tiles, then single rows for the rest.
+// Weight rows [n0, n1) (n0 a multiple of kGroup) against activation rows [r0, r0 + R): group by group, C-row tiles,
+// then single rows for the rest of a narrower last group.
 template <int F, int R>
 inline void tiles(const Args& a, int64_t r0, int n0, int n1) {
   constexpr int C = qcols(R);
-  int n = n0;
-  for (; n + C <= n1; n += C) tile<F, R, C>(a, r0, n);
-  for (; n < n1; ++n) tile<F, R, 1>(a, r0, n);
+  for (int n = n0; n < n1; n += kGroup) {
+    const Group g = group<F>(a, n / kGroup);
+    int c = 0;
+    for (; c + C <= g.width; c += C) tile<F, R, C>(a, g, c, r0, n);
+    for (; c < g.width; ++c) tile<F, R, 1>(a, g, c, r0, n);
+  }
 }
 
 template <int F, int... R>
@@ -129,15 +158,15 @@ extern "C" {
 // it measured slower than the float path here and missed issue 44's agreement goal (benchmarks/JOURNAL.md).
 const char* pagedkv_cpu_quant_int8_path() { return pagedkv_quant::kInt8Path; }
 
-// pagedkv_cpu_quant_linear by the integer path: the activations rounded to int8 per 32-block. Returns 0, or 1 for
-// a format or sizes it does not take or a build without the path.
+// pagedkv_cpu_quant_linear by the integer path: the activations rounded to int8 per 32-block, W in the file's
+// layout (not repacked). Returns 0, or 1 for a format or sizes it does not take or a build without the path.
 int pagedkv_cpu_quant_linear_int8(int format, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                                   float* y, int threads) {
   return pagedkv_quant::quant_rows(format, x, k, rows, k, w, n, y, n, false, threads, true) ? 0 : 1;
 }
 
-// y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1), k / 32 blocks a row of
-// W, x and y contiguous. Returns 0, or 1 for a format or sizes it does not take.
+// y[rows, n] = x[rows, k] W^T, W [n, k] in GGUF blocks (format 0: Q8_0, 1: Q4_0, 2: Q4_1) repacked as quant_packed.h
+// says, k / 32 blocks a row of W, x and y contiguous. Returns 0, or 1 for a format or sizes it does not take.
 int pagedkv_cpu_quant_linear(int format, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                              float* y, int threads) {
   return pagedkv_quant::quant_rows(format, x, k, rows, k, w, n, y, n, false, threads) ? 0 : 1;

@@ -1,7 +1,8 @@
 """Linear and embedding layers whose weights stay in a GGUF block format (:mod:`.quant_formats`).
 
 A 4-bit model held as fp32 reads ~7x the bytes its file holds in every decode step, and decode at small batch is
-bound by those bytes. :class:`QuantLinear` keeps the file's blocks (a ``uint8`` buffer) and multiplies by them:
+bound by those bytes. :class:`QuantLinear` keeps the file's blocks (a ``uint8`` buffer, repacked once at load in
+:mod:`.quant_packing`'s layout: the same bytes, moved so a kernel reads them aligned) and multiplies by them:
 
 - inside :func:`quantized_linears` with a backend's :class:`QuantKernel` (the cpu backend's ``quant_linear.h``
   de-quantizes in registers), for the inputs and formats that kernel takes;
@@ -23,11 +24,13 @@ import torch
 from torch import nn
 
 from pagedkv.core.model.quant_formats import FORMATS, dequantize, row_bytes
+from pagedkv.core.model.quant_packing import pack, packed_rows, unpack
 
 
 @runtime_checkable
 class QuantKernel(Protocol):
-    """A backend's ``y = x W^T`` for fp32 CPU ``x`` and a weight in GGUF blocks ``[out, row_bytes]``."""
+    """A backend's ``y = x W^T`` for fp32 CPU ``x`` and a weight in GGUF blocks ``[out, row_bytes]``, repacked
+    (:func:`~.quant_packing.pack`)."""
 
     def supports(self, qtype: str) -> bool: ...
 
@@ -64,9 +67,11 @@ def quantized_linears(kernel: QuantKernel | None) -> Iterator[None]:
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T`` (no bias) with ``W`` ``[out_features, in_features]`` held as ``qtype`` blocks."""
+    """``y = x W^T`` (no bias) with ``W`` ``[out_features, in_features]`` held as ``qtype`` blocks: ``blocks`` in
+    the file's layout, repacked here, or already repacked (``packed``; a tied head shares its embedding's)."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, out_features: int) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, out_features: int,
+                 packed: bool = False) -> None:
         super().__init__()
         if qtype not in FORMATS:
             raise ValueError(f"no quantized linear for {qtype}; formats: {sorted(FORMATS)}")
@@ -74,7 +79,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{qtype} blocks of a {out_features} x {in_features} weight are uint8 "
                              f"[{out_features}, {row_bytes(qtype, in_features)}], got {blocks.dtype} "
                              f"{list(blocks.shape)}")
-        self.register_buffer("blocks", blocks)
+        self.register_buffer("blocks", blocks if packed else pack(blocks, qtype, in_features))
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = out_features
@@ -84,7 +89,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[out, in]`` in ``dtype``."""
-        return dequantize(self.blocks, self.qtype, self.in_features, dtype)
+        return dequantize(unpack(self.blocks, self.qtype, self.in_features), self.qtype, self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = _ACTIVE.get()
@@ -95,23 +100,23 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Embedding lookup on ``qtype`` blocks ``[num_embeddings, row_bytes]``: only the looked-up rows are
-    de-quantized, into ``dtype``."""
+    """Embedding lookup on ``qtype`` blocks ``[num_embeddings, row_bytes]`` (the file's layout, held repacked as
+    :class:`QuantLinear` holds them, so a tied head shares them): only the looked-up rows are de-quantized."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("blocks", blocks)
+        self.register_buffer("blocks", pack(blocks, qtype, embedding_dim))
         self.qtype = qtype
         self.embedding_dim = embedding_dim
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, ids.reshape(-1))
+        rows = packed_rows(self.blocks, self.qtype, self.embedding_dim, ids.reshape(-1))
         return dequantize(rows, self.qtype, self.embedding_dim, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def as_linear(self) -> QuantLinear:
         """The tied output projection over the same blocks (no copy)."""
-        return QuantLinear(self.blocks, self.qtype, self.embedding_dim, self.blocks.shape[0])
+        return QuantLinear(self.blocks, self.qtype, self.embedding_dim, self.blocks.shape[0], packed=True)
 
 
 def has_quantized(model: nn.Module) -> bool:

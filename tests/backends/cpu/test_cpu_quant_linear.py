@@ -18,12 +18,13 @@ from pagedkv.backends.cpu import build
 from pagedkv.backends.cpu.quant_linear import CpuQuantKernel
 from pagedkv.core.model.quant_formats import FORMATS, dequantize
 from pagedkv.core.model.quant_linear import QuantLinear, quantized_linears
+from pagedkv.core.model.quant_packing import pack
 
 gguf = pytest.importorskip("gguf")
 
 ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 61]
-OUT_FEATURES = [1, 17, 40, 192]  # around C (2-8) and the 16-row column block
-IN_FEATURES = [32, 576]
+OUT_FEATURES = [1, 13, 17, 40, 192]  # around C (2-8), the 8-row group and the 16-row column block
+IN_FEATURES = [32, 160, 576]  # k not a multiple of 256 (nor of 64 blocks)
 GUARD = 64
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -52,7 +53,7 @@ def test_integer_path_is_the_product_of_the_int8_rounded_activations(kernel, qty
     blocks = quantized(qtype, 40, 576, seed=11)
     w = gguf_dequantized(blocks, qtype)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
-    got = kernel.linear(x, blocks, qtype, 40).double()
+    got = kernel.linear(x, pack(blocks, qtype, 576), qtype, 40).double()
     rounded = int8_activations(x)
     want = rounded @ w.double().T
     size = rounded.abs() @ (w.double().abs() + 2 * block_offsets(blocks, qtype, 576)).T
@@ -129,7 +130,8 @@ def test_direct_call_matches_float64_of_the_dequantized_weight(kernel, qtype, in
     blocks = quantized(qtype, out_features, in_features, seed=in_features + out_features)
     w = gguf_dequantized(blocks, qtype)
     w_buf = torch.full((blocks.numel() + GUARD,), 0xFF, dtype=torch.uint8)  # guard bytes: NaN-ish fp16 scales
-    w_buf[: blocks.numel()] = blocks.reshape(-1)
+    # the float path reads the packed layout, the integer path the file's
+    w_buf[: blocks.numel()] = (pack(blocks, qtype, in_features) if kernel.path == "float" else blocks).reshape(-1)
     for rows in ROWS:
         x = torch.randn(rows, in_features, generator=gen)
         x_buf = torch.full((rows * in_features + GUARD,), float("nan"))

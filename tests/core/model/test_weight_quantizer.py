@@ -17,7 +17,6 @@ from pagedkv.core.config import EngineConfig
 from pagedkv.core.engine import Engine
 from pagedkv.core.errors import ConfigError
 from pagedkv.core.model.model_loader import load_model
-from pagedkv.core.model.quant_formats import dequantize
 from pagedkv.core.model.quant_linear import QuantEmbedding, QuantLinear, weight_bytes
 from pagedkv.core.model.weight_quantizer import METHOD_FORMATS, quantize_weight
 from pagedkv.core.sample.sampling_params import SamplingParams
@@ -61,7 +60,7 @@ def test_quantized_at_load_every_linear_and_the_embedding_in_blocks(checkpoint, 
     expected = (full_bytes / 4 - embedding) * {"int8": 34, "int4": 20}[method] / 32 + embedding * 34 / 32
     assert expected < weight_bytes(model) < expected * 1.05  # block bytes; the norms stay fp32
     w = fp32.model.layers[1].mlp.down_proj.weight
-    back = dequantize(layer.mlp.down_proj.blocks, qtype, w.shape[1])
+    back = layer.mlp.down_proj.dequantized()
     tolerance = {"int8": 1 / 127, "int4": 1 / 15}[method]  # half a step of the block's range, with slack
     assert (back - w).abs().max() <= tolerance * w.abs().max()
 
