@@ -64,11 +64,13 @@ class CpuLlamaLayers:
         self._last: tuple[Any, _LayerPlan] | None = None  # (layer, plan) of the last accepts
         # Per-call Python is a measurable share of a batch-1 step (two calls a layer of ~25-100 us, next to ~1 us
         # a torch call): the calls' scratch is kept by shape (the kernel only writes and reads it within a call),
-        # the chunk of rows read once, the cache pairs checked once (by identity; the engine's caches live as long
-        # as it does).
+        # the chunk of rows read once, the cache pairs checked once, the step's cos/sin and slots once a step (all
+        # by identity).
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._chunk = lib.pagedkv_cpu_llama_scratch_rows() if hasattr(lib, "pagedkv_cpu_llama_scratch_rows") else 0
         self._caches: dict[int, tuple[weakref.ref, weakref.ref, int | None, int]] = {}
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's cos/sin, as the kernel takes them
+        self._slots: tuple[torch.Tensor, int] | None = None  # the step's slot mapping and rows, checked
 
     def accepts(self, layer: Any, h: torch.Tensor) -> bool:
         """Contiguous CPU activations and CPU weights without biases, all fp32 or all bf16 (what the kernel
@@ -102,14 +104,13 @@ class CpuLlamaLayers:
         the caller then writes through the backend, whose reference raises for such a slot."""
         plan = self._plan(layer)
         rows, slots = h.shape[-2], self._cache_slots(plan, k_cache, v_cache)
-        if (slots is None or slot_mapping.dtype != torch.int64 or slot_mapping.device.type != "cpu"
-                or not slot_mapping.is_contiguous() or slot_mapping.shape != (rows,)):
+        if slots is None or not self._slots_fit(slot_mapping, rows):
             return None
-        q = torch.empty((rows, plan.nq), dtype=plan.dtype)
+        q = torch.empty((rows, plan.nq // plan.head_dim, plan.head_dim), dtype=plan.dtype)
         if self._attention_call(plan, h, cos, sin, q, k_cache.data_ptr(), v_cache.data_ptr(),
                                 slot_mapping.data_ptr(), slots) != 0:
             return None
-        return q.view(rows, plan.nq // plan.head_dim, plan.head_dim)
+        return q
 
     def mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """``h`` += o_proj(attention output), then += the MLP of its post-attention norm; ``h`` is updated in place
@@ -142,10 +143,13 @@ class CpuLlamaLayers:
         """One attention-inputs call on activations of the weights' dtype (``k_cache`` 0: q, k, v into ``out``);
         raises for sizes the kernel does not take, returns its code otherwise (2: a slot past ``num_slots``)."""
         rows, dim = h.shape[-2], h.shape[-1]
-        if cos.dtype != plan.dtype or not cos.is_contiguous():  # (the model makes them so: no copy)
-            cos = cos.to(plan.dtype).contiguous()
-        if sin.dtype != plan.dtype or not sin.is_contiguous():
-            sin = sin.to(plan.dtype).contiguous()
+        if self._tables is None or self._tables[0] is not cos or self._tables[1] is not sin:  # (once a step)
+            if cos.dtype != plan.dtype or not cos.is_contiguous():  # (the model makes them so: no copy)
+                cos = cos.to(plan.dtype).contiguous()
+            if sin.dtype != plan.dtype or not sin.is_contiguous():
+                sin = sin.to(plan.dtype).contiguous()
+            else:
+                self._tables = (cos, sin)  # (both as given: a step's layers pass the same pair)
         call = (self.lib.pagedkv_cpu_llama_attention_kv_bf16 if plan.dtype == torch.bfloat16
                 else self.lib.pagedkv_cpu_llama_attention_kv)
         scratch = self._buffer(self._scratch_rows(rows), plan.scratch)
@@ -156,6 +160,15 @@ class CpuLlamaLayers:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, q={plan.nq}, kv={plan.nkv}, "
                              f"head_dim={plan.head_dim}")
         return rc
+
+    def _slots_fit(self, slot_mapping: torch.Tensor, rows: int) -> bool:
+        """int64, contiguous, CPU, one slot a row (checked once a step: every layer gets the step's slots)."""
+        if self._slots is not None and self._slots[0] is slot_mapping and self._slots[1] == rows:
+            return True
+        fits = (slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+                and slot_mapping.is_contiguous() and slot_mapping.shape == (rows,))
+        self._slots = (slot_mapping, rows) if fits else None
+        return fits
 
     def _cache_slots(self, plan: _LayerPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
         """Slots of a cache pair the kernel writes for ``plan`` (checked once per pair), or None."""
