@@ -1,13 +1,13 @@
-// The dense parts of a Llama decoder layer, around its attention, in two calls (fp32 activations, fp32 or bf16
-// weights in linear.h's formats, CPU):
+// The dense parts of a Llama decoder layer, around its attention, in two calls (fp32 or bf16 activations, fp32 or
+// bf16 weights in linear.h's formats, CPU):
 //
 //   attention inputs: xn = RMSNorm(h); [q k v] = xn [Wq; Wk; Wv]^T; rotary on q and k
 //   MLP block:        h += attn Wo^T; xn = RMSNorm(h); h += (SiLU(xn Wg^T) * xn Wu^T) Wd^T
 //
-// In between, the engine writes k and v to the paged cache and attends, through the backend interface
-// as for every model. Done op by op in torch, these parts are some 50 aten calls a layer (a large share
-// of a small model's decode step, docs/cpu_kernels.md); here they are two calls, and q/k/v and gate/up
-// are each one product over one packed weight ([Wq; Wk; Wv] and [Wg; Wu] stacked).
+// In between, the engine attends through the backend interface as for every model (k and v written to the paged
+// cache by the first call where it can, by the backend's KV write otherwise). Done op by op in torch, these parts
+// are some 50 aten calls a layer (a large share of a small model's decode step, docs/cpu_kernels.md); here they are
+// two calls, and q/k/v and gate/up are each one product over one packed weight ([Wq; Wk; Wv] and [Wg; Wu] stacked).
 // The arithmetic is transformers' up to rounding (sums in another order, fused multiply-adds, the SiLU's
 // exp from a polynomial within 2 ulp). For llama_layer.cpp.
 
