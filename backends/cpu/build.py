@@ -242,6 +242,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pagedkv_cpu_llama_attention_inputs_bf16.restype = i32
         lib.pagedkv_cpu_llama_mlp_bf16.argtypes = lib.pagedkv_cpu_llama_mlp.argtypes
         lib.pagedkv_cpu_llama_mlp_bf16.restype = i32
+    if hasattr(lib, "pagedkv_cpu_llama_attention_kv"):  # (absent from libraries built before the KV-writing call)
+        layer_kv = [p, i64, i64, p, f32, p, i64, i64, i64, p, p, p, p, p, p, p, i64, i32]
+        mlp_act = [p, i64, i64, p, i64, p, p, f32, p, i64, p, p, p, p, i32]
+        for name, args in (("attention_kv", layer_kv), ("attention_kv_bf16", layer_kv),
+                           ("attention_scratch", [i64, i64, i64]), ("mlp_bf16_act", mlp_act)):
+            fn = getattr(lib, f"pagedkv_cpu_llama_{name}")
+            fn.argtypes, fn.restype = args, (i64 if name == "attention_scratch" else i32)
     if hasattr(lib, "pagedkv_cpu_llama_scratch_rows"):  # (absent from libraries whose layer calls take all rows)
         lib.pagedkv_cpu_llama_scratch_rows.argtypes = []
         lib.pagedkv_cpu_llama_scratch_rows.restype = i32

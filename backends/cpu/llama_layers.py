@@ -42,13 +42,14 @@ class _LayerPlan:
     head_dim: int
     inter: int
     dtype: torch.dtype = torch.float32  # the weights' (and the activations' it takes)
+    scratch: int = 0  # floats of the attention call's scratch a row
 
 
 class CpuLlamaLayers:
     """Packs each layer's ``[Wq; Wk; Wv]``, ``Wo``, ``[Wg; Wu]`` and ``Wd`` once (again if a weight is replaced or
     changed in place) and runs the layer's attention inputs and MLP block on CPU activations of the weights' dtype:
-    fp32, or bf16 where the library has the bf16 panels (the call then runs on fp32 copies of the activations and
-    rounds its results to bf16 once).
+    fp32, or bf16 where the library has the bf16 panels (the kernel widens bf16 activations to fp32 and rounds its
+    results to bf16 once, as torch's conversions around an fp32 call would).
 
     ``accepts`` checks the layer's weights (a few dozen attribute reads) and keeps the layer's plan; the two calls
     that follow it for the same layer use that plan without checking again (once per layer and step, not three
@@ -57,16 +58,19 @@ class CpuLlamaLayers:
     def __init__(self, lib: Any, linear: CpuLinearKernel) -> None:
         self.lib = lib
         self.linear = linear
-        self._chunked = hasattr(lib, "pagedkv_cpu_llama_scratch_rows")
         self._dtypes = (torch.float32, torch.bfloat16) if hasattr(lib, "pagedkv_cpu_llama_mlp_bf16") else (
             torch.float32,)
         self._plans: weakref.WeakKeyDictionary[Any, _LayerPlan] = weakref.WeakKeyDictionary()
         self._last: tuple[Any, _LayerPlan] | None = None  # (layer, plan) of the last accepts
-        # Per-step reuse (a batch-1 step makes ~10 small torch calls a layer around two kernel calls, ~1 us each,
-        # a measurable share of a 9 ms bf16 step): the fp32 rotary tables of the step's cos/sin (one pair for
-        # every layer), and the calls' scratch by shape (the kernel only writes and reads it within a call).
-        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Per-call Python is a measurable share of a batch-1 step (two calls a layer of ~25-100 us, next to ~1 us
+        # a torch call): the calls' scratch is kept by shape (the kernel only writes and reads it within a call),
+        # the chunk of rows read once, the cache pairs checked once, the step's cos/sin and slots once a step (all
+        # by identity).
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._chunk = lib.pagedkv_cpu_llama_scratch_rows() if hasattr(lib, "pagedkv_cpu_llama_scratch_rows") else 0
+        self._caches: dict[int, tuple[weakref.ref, weakref.ref, int | None, int]] = {}
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's cos/sin, as the kernel takes them
+        self._slots: tuple[torch.Tensor, int] | None = None  # the step's slot mapping and rows, checked
 
     def accepts(self, layer: Any, h: torch.Tensor) -> bool:
         """Contiguous CPU activations and CPU weights without biases, all fp32 or all bf16 (what the kernel
@@ -83,28 +87,30 @@ class CpuLlamaLayers:
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``h`` ``[1, T, D]`` -> rotated q ``[T, H, hd]``, rotated k and v ``[T, Hkv, hd]`` (views of one buffer)."""
         plan = self._plan(layer)
-        rows, dim = h.shape[-2], h.shape[-1]
-        nq, nkv, head_dim = plan.nq, plan.nkv, plan.head_dim
-        bf16 = plan.dtype == torch.bfloat16
-        # fp32 returns views of qkv (a new tensor); bf16 returns a rounded copy, so its fp32 qkv is scratch
-        qkv = self._buffer(rows, nq + 2 * nkv) if bf16 else torch.empty((rows, nq + 2 * nkv), dtype=torch.float32)
-        xn = self._buffer(self._scratch_rows(rows), dim)
-        if bf16:  # (the kernel's activations are fp32)
-            h = h.float()
-        cos, sin = self._fp32_tables(cos, sin)
-        call = (self.lib.pagedkv_cpu_llama_attention_inputs_bf16 if bf16
-                else self.lib.pagedkv_cpu_llama_attention_inputs)
-        rc = call(
-            h.data_ptr(), rows, dim, plan.pointers[4], plan.eps[0], plan.pointers[0], nq, nkv, head_dim,
-            cos.data_ptr(), sin.data_ptr(), xn.data_ptr(), qkv.data_ptr(), torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, q={nq}, kv={nkv}, head_dim={head_dim}")
-        if bf16:
-            qkv = qkv.to(torch.bfloat16)
+        rows, nq, nkv, head_dim = h.shape[-2], plan.nq, plan.nkv, plan.head_dim
+        qkv = torch.empty((rows, nq + 2 * nkv), dtype=plan.dtype)
+        self._attention_call(plan, h, cos, sin, qkv, 0, 0, 0, 0)
         heads, kv_heads = nq // head_dim, nkv // head_dim
         q, k, v = qkv.view(rows, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=1)
         return q, k, v
+
+    def queries_into_cache(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`attention_inputs` with the rotated k and the v written straight into their slots of the layer's
+        paged cache (what the backend's ``write_kv`` would do next, without its call and checks: ~10 us a layer of
+        a ~25 us batch-1 bf16 layer call); returns q ``[T, H, hd]``, or None (nothing written) where the cache is
+        not one of the activations' dtype, contiguous, CPU, of the layer's KV width, or a slot is past its end:
+        the caller then writes through the backend, whose reference raises for such a slot."""
+        plan = self._plan(layer)
+        rows, slots = h.shape[-2], self._cache_slots(plan, k_cache, v_cache)
+        if slots is None or not self._slots_fit(slot_mapping, rows):
+            return None
+        q = torch.empty((rows, plan.nq // plan.head_dim, plan.head_dim), dtype=plan.dtype)
+        if self._attention_call(plan, h, cos, sin, q, k_cache.data_ptr(), v_cache.data_ptr(),
+                                slot_mapping.data_ptr(), slots) != 0:
+            return None
+        return q
 
     def mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """``h`` += o_proj(attention output), then += the MLP of its post-attention norm; ``h`` is updated in place
@@ -113,32 +119,70 @@ class CpuLlamaLayers:
         rows, dim = h.shape[-2], h.shape[-1]
         nq, inter = plan.nq, plan.inter
         attn_out = attn_out.reshape(rows, nq)
-        if attn_out.dtype != torch.float32 or not attn_out.is_contiguous():
-            attn_out = attn_out.float().contiguous()
-        scratch = self._scratch_rows(rows)
-        xn, gu = self._buffer(scratch, dim), self._buffer(scratch, 2 * inter)
+        if attn_out.dtype != plan.dtype or not attn_out.is_contiguous():
+            attn_out = attn_out.to(plan.dtype).contiguous()
+        # one scratch buffer (held until the call returns): xn [chunk, dim], gu [chunk, 2 inter], and for bf16 wide
+        # [chunk, dim + nq] (h and attn widened inside)
+        chunk, bf16 = self._scratch_rows(rows), plan.dtype == torch.bfloat16
+        buffer = self._buffer(chunk, 2 * dim + 2 * inter + nq if bf16 else dim + 2 * inter)
+        scratch = buffer.data_ptr()
         wqkv, wo, wgu, wdown, _, norm = plan.pointers
-        bf16 = plan.dtype == torch.bfloat16
-        hf = h.float() if bf16 else h  # (the kernel's activations are fp32; h is updated in place)
-        call = self.lib.pagedkv_cpu_llama_mlp_bf16 if bf16 else self.lib.pagedkv_cpu_llama_mlp
-        rc = call(
-            hf.data_ptr(), rows, dim, attn_out.data_ptr(), nq, wo, norm, plan.eps[1], wgu, inter, wdown,
-            xn.data_ptr(), gu.data_ptr(), torch.get_num_threads(),
-        )
+        args = (h.data_ptr(), rows, dim, attn_out.data_ptr(), nq, wo, norm, plan.eps[1], wgu, inter, wdown,
+                scratch, scratch + 4 * chunk * dim)
+        if bf16:
+            rc = self.lib.pagedkv_cpu_llama_mlp_bf16_act(*args, scratch + 4 * chunk * (dim + 2 * inter),
+                                                         torch.get_num_threads())
+        else:
+            rc = self.lib.pagedkv_cpu_llama_mlp(*args, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, o={nq}, intermediate={inter}")
-        if bf16:
-            h.copy_(hf)
         return h
 
-    def _fp32_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` as contiguous fp32, converted once for all the layers of a step (the model makes one
-        pair a step; holding them keeps their ids from being reused)."""
-        tables = self._tables
-        if tables is None or tables[0] is not cos or tables[1] is not sin:
-            tables = (cos, sin, cos.float().contiguous(), sin.float().contiguous())
-            self._tables = tables
-        return tables[2], tables[3]
+    def _attention_call(self, plan: _LayerPlan, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        out: torch.Tensor, k_cache: int, v_cache: int, slots: int, num_slots: int) -> int:
+        """One attention-inputs call on activations of the weights' dtype (``k_cache`` 0: q, k, v into ``out``);
+        raises for sizes the kernel does not take, returns its code otherwise (2: a slot past ``num_slots``)."""
+        rows, dim = h.shape[-2], h.shape[-1]
+        if self._tables is None or self._tables[0] is not cos or self._tables[1] is not sin:  # (once a step)
+            if cos.dtype != plan.dtype or not cos.is_contiguous():  # (the model makes them so: no copy)
+                cos = cos.to(plan.dtype).contiguous()
+            if sin.dtype != plan.dtype or not sin.is_contiguous():
+                sin = sin.to(plan.dtype).contiguous()
+            else:
+                self._tables = (cos, sin)  # (both as given: a step's layers pass the same pair)
+        call = (self.lib.pagedkv_cpu_llama_attention_kv_bf16 if plan.dtype == torch.bfloat16
+                else self.lib.pagedkv_cpu_llama_attention_kv)
+        scratch = self._buffer(self._scratch_rows(rows), plan.scratch)
+        rc = call(h.data_ptr(), rows, dim, plan.pointers[4], plan.eps[0], plan.pointers[0], plan.nq, plan.nkv,
+                  plan.head_dim, cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), out.data_ptr(), k_cache, v_cache,
+                  slots, num_slots, torch.get_num_threads())
+        if rc == 1:
+            raise ValueError(f"the cpu Llama layer kernel rejected d={dim}, q={plan.nq}, kv={plan.nkv}, "
+                             f"head_dim={plan.head_dim}")
+        return rc
+
+    def _slots_fit(self, slot_mapping: torch.Tensor, rows: int) -> bool:
+        """int64, contiguous, CPU, one slot a row (checked once a step: every layer gets the step's slots)."""
+        if self._slots is not None and self._slots[0] is slot_mapping and self._slots[1] == rows:
+            return True
+        fits = (slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+                and slot_mapping.is_contiguous() and slot_mapping.shape == (rows,))
+        self._slots = (slot_mapping, rows) if fits else None
+        return fits
+
+    def _cache_slots(self, plan: _LayerPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+        """Slots of a cache pair the kernel writes for ``plan`` (checked once per pair), or None."""
+        known = self._caches.get(id(k_cache))  # (weak references: a cache the engine drops is not kept alive)
+        if known is None or known[0]() is not k_cache or known[1]() is not v_cache:
+            fits = (k_cache.dtype == v_cache.dtype == plan.dtype and k_cache.device.type == v_cache.device.type == "cpu"
+                    and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dim() == 4
+                    and k_cache.shape == v_cache.shape)
+            slots = k_cache.shape[0] * k_cache.shape[1] if fits else None
+            if len(self._caches) > 4096:  # (ids of dropped caches: forget them all now and then)
+                self._caches.clear()
+            known = self._caches[id(k_cache)] = (weakref.ref(k_cache), weakref.ref(v_cache), slots,
+                                                 k_cache.shape[2] * k_cache.shape[3] if k_cache.dim() == 4 else -1)
+        return known[2] if known[3] == plan.nkv else None
 
     def _buffer(self, rows: int, cols: int) -> torch.Tensor:
         """An fp32 ``[rows, cols]`` scratch tensor: for a decode step's few rows the same one for every call of that
@@ -153,8 +197,7 @@ class CpuLlamaLayers:
     def _scratch_rows(self, rows: int) -> int:
         """Rows of scratch a call needs: the kernel goes through a long input a chunk of rows at a time (a library
         built before that, bound for A/B runs, needs all of them)."""
-        chunk = self.lib.pagedkv_cpu_llama_scratch_rows() if self._chunked else rows
-        return min(rows, chunk)
+        return min(rows, self._chunk or rows)
 
     def _plan(self, layer: Any) -> _LayerPlan:
         last = self._last
@@ -193,7 +236,9 @@ class CpuLlamaLayers:
             plan = _LayerPlan(generation, tuple(tensors), key, packs, pointers,
                               (float(norms[0].eps), float(norms[1].eps)), attn.q_proj.out_features,
                               attn.k_proj.out_features, attn.head_dim,
-                              mlp.gate_proj.out_features, dtype)
+                              mlp.gate_proj.out_features, dtype,
+                              self.lib.pagedkv_cpu_llama_attention_scratch(attn.q_proj.in_features, sum(
+                                  m.out_features for m in linears[:3]), attn.head_dim))
         self._plans[layer] = plan
         return plan
 
@@ -214,4 +259,4 @@ def _unchanged(plan: _LayerPlan) -> bool:
 
 def usable(lib: Any) -> bool:
     """Whether ``lib`` has the fused layer (a library built from an older source may not)."""
-    return hasattr(lib, "pagedkv_cpu_llama_mlp")
+    return hasattr(lib, "pagedkv_cpu_llama_attention_kv")

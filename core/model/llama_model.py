@@ -35,6 +35,9 @@ class LlamaLayerKernel(Protocol):
 
     def mlp(self, layer: DecoderLayer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
 
+    # Optional: ``queries_into_cache(layer, h, cos, sin, k_cache, v_cache, slot_mapping)`` -> q, with the rotated k
+    # and the v already written to the layer's paged cache, or None (nothing written) where it cannot.
+
 
 @runtime_checkable
 class HasLlamaLayerKernel(Protocol):
@@ -124,11 +127,23 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Any) -> torch.Tensor:
         kernel = None if step is None else step.layer_kernel
         if kernel is not None and kernel.accepts(self, h):
-            q, k, v = kernel.attention_inputs(self, h, cos, sin)
-            out = paged_attention(self.self_attn.layer_idx, q, k, v, self.self_attn.scaling, step)
-            return kernel.mlp(self, h, out)
+            return kernel.mlp(self, h, self._kernel_attention(kernel, h, cos, sin, step))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, step)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _kernel_attention(self, kernel: LlamaLayerKernel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          step: Any) -> torch.Tensor:
+        """The attention of the fused layer: a kernel that writes k/v into the paged cache itself
+        (``queries_into_cache``, one call instead of two) is asked to first; when it declines, q/k/v go through
+        the backend's write and attention as in every other model."""
+        attn = self.self_attn
+        k_cache, v_cache = step.kv_caches[attn.layer_idx]
+        into_cache = getattr(kernel, "queries_into_cache", None)
+        q = None if into_cache is None else into_cache(self, h, cos, sin, k_cache, v_cache, step.meta.slot_mapping)
+        if q is None:
+            q, k, v = kernel.attention_inputs(self, h, cos, sin)
+            return paged_attention(attn.layer_idx, q, k, v, attn.scaling, step)
+        return step.backend.attend(q, k_cache, v_cache, step.meta, attn.scaling)
 
 
 class LlamaBody(nn.Module):

@@ -122,10 +122,10 @@ class _TorchCalls(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_bf16_decode_layers_reuse_the_steps_tables_and_scratch(layers):
-    """At one row, the layers after a step's first make only the torch calls they must (h to fp32, q/k/v back to
-    bf16 and their views): the step's cos/sin are converted once and the scratch is kept (~1 us a torch call, ~14 of
-    them a layer before, a measurable share of a 9 ms bf16 SmolLM2 step); the results stay those of fresh calls."""
+def test_bf16_decode_layers_make_only_their_output_tensors(layers):
+    """At one row, a bf16 layer's attention inputs make only their output and its views (the kernel reads bf16 h,
+    cos and sin and writes bf16 q/k/v itself; ~1 us a torch call, 4 of them a layer before, and more before that,
+    a measurable share of a 9 ms bf16 SmolLM2 step); the results stay those of fresh calls."""
     stack = [bf16_layer("gqa_hd64", seed) for seed in range(3)]
     h = torch.randn(1, 1, stack[0].self_attn.q_proj.in_features).bfloat16()
     tables = [[t.bfloat16() for t in rotary(1, stack[0].self_attn.head_dim, seed=s)] for s in (7, 8)]
@@ -136,9 +136,13 @@ def test_bf16_decode_layers_reuse_the_steps_tables_and_scratch(layers):
             assert layers.accepts(layer, h)
             with counter if step == 1 and i > 0 else contextlib.nullcontext():
                 got.append(layers.attention_inputs(layer, h, cos, sin))
-    assert 0 < len(counter.names) <= 2 * 4, f"torch calls of the step's 2nd and 3rd layers: {counter.names}"
+    made = [name for name in counter.names if name not in POISON_CALLS]
+    assert made == ["empty", "view", "split"] * 2, f"torch calls of the step's 2nd and 3rd layers: {made}"
     for layer, mine in zip(stack, got):
         fresh = CpuLlamaLayers(layers.lib, layers.linear)  # (nothing kept from another call)
         assert fresh.accepts(layer, h)
         for a, b in zip(mine, fresh.attention_inputs(layer, h, *tables[1])):
             assert torch.equal(a, b)
+
+
+POISON_CALLS = frozenset({"is_floating_point", "fill_"})  # (the poisoned_scratch fixture's own calls)
