@@ -20,6 +20,7 @@ later). libgomp reads these once, when it loads: ``import pagedkv`` first.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -65,3 +66,43 @@ def environ_without_ours() -> dict[str, str]:
     """The process's environment less what pagedkv added: for other programs it starts (a benchmark's peer
     servers must run with their own OpenMP defaults)."""
     return {k: v for k, v in os.environ.items() if ADDED.get(k) != v}
+
+
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t (OpenMP 5.0)
+
+
+def release_thread_pool() -> bool:
+    """End the OpenMP worker threads the calling thread started (OpenMP 5.0's ``omp_pause_resource_all``);
+    True where libgomp is loaded and did it. Call it on the thread that loaded the model before another thread
+    takes over the steps (``engine serve``'s loop thread).
+
+    Why: libgomp keeps one pool of workers per thread that opened a parallel region. A model loaded on the main
+    thread and stepped on a loop thread leaves two pools, more libgomp threads than CPUs, and libgomp then cuts
+    every waiting worker's spin to 1,000 turns: the workers sleep between the ~150 parallel regions of a decode
+    step and each region pays a futex wake-up. A served bf16 batch-1 step took 10.7 ms against 7.0 ms offline on
+    the 2-core machine; 7.0-7.5 ms once the loading thread's pool is released (benchmarks/JOURNAL.md, issue 43).
+    """
+    gomp = _loaded_libgomp()
+    if gomp is None:
+        return False
+    try:
+        pause = gomp.omp_pause_resource_all
+    except AttributeError:  # a libgomp older than OpenMP 5.0 support (GCC < 9)
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(OMP_PAUSE_HARD) == 0
+
+
+def _loaded_libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process has loaded (torch's own copy in a pip install), or None (not Linux, not loaded)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)  # already loaded: dlopen returns the same library
+    except OSError:
+        return None

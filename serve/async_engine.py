@@ -25,6 +25,7 @@ from typing import Any
 from pagedkv.core.errors import RequestRejected
 from pagedkv.core.sample.sampling_params import SamplingParams
 from pagedkv.core.sched.sequence import RequestOutput
+from pagedkv.openmp_env import release_thread_pool
 from pagedkv.serve.stream_mailbox import Mailbox
 
 SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
@@ -73,7 +74,9 @@ class AsyncEngine:
     ``on_step`` is called on the loop thread after every step with the engine (metrics);
     ``stall_timeout`` (seconds, None: never) ends a request whose reader leaves an output unread
     that long (:class:`StreamStalled`); ``between_steps`` is called on the loop thread before every step
-    (``core/thread_share.py``'s ``ThreadShare.tick``: the step's threads sized to the free cores).
+    (``core/thread_share.py``'s ``ThreadShare.tick``: the step's threads sized to the free cores);
+    ``release_pool`` is called on the thread that calls :meth:`start` (the one that loaded the model) just
+    before the loop thread starts (``openmp_env.release_thread_pool``: one OpenMP pool, the loop thread's).
 
     Under a priority scheduler a full queue is not the last word: a newcomer whose ``priority`` is
     strictly better than that of a waiting request that never ran evicts it (worst priority first,
@@ -83,8 +86,10 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Any, max_waiting: int = 256, on_step: Callable[[Any], None] | None = None,
-                 stall_timeout: float | None = None, between_steps: Callable[[], None] | None = None) -> None:
+                 stall_timeout: float | None = None, between_steps: Callable[[], None] | None = None,
+                 release_pool: Callable[[], object] = release_thread_pool) -> None:
         self.engine = engine
+        self.release_pool = release_pool
         self.between_steps = between_steps
         self.max_waiting = max_waiting
         self.on_step = on_step
@@ -111,6 +116,7 @@ class AsyncEngine:
         # thread parsing or validating a request in Python, so one client's heavy (even refused) requests
         # would become every stream's inter-token latency. A 0.5 ms interval bounds that wait.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self.release_pool()  # the loading thread's OpenMP workers would throttle the loop thread's (openmp_env)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -63,3 +63,35 @@ def test_programs_a_benchmark_starts_get_the_environment_without_pagedkvs_wait_p
     assert _child_env(code) == "PASSIVE False"
     code = "from pagedkv import openmp_env; print(openmp_env.environ_without_ours()['OMP_WAIT_POLICY'])"
     assert _child_env(code, OMP_WAIT_POLICY="active") == "active"  # the user's own stays
+
+
+RELEASE_PROBE = """
+import os, time
+import pagedkv, torch
+from pagedkv import openmp_env
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(3)
+before = tasks()
+torch.ones(2**22).add_(1)  # a parallel region on this thread: libgomp starts its pool of 2 workers
+with_pool = tasks()
+released = openmp_env.release_thread_pool()
+deadline = time.monotonic() + 5
+while tasks() > before and time.monotonic() < deadline:  # the workers acknowledge, then exit
+    time.sleep(0.01)
+after = tasks()
+torch.ones(2**22).add_(1)  # the thread can still run parallel work: libgomp starts a pool again
+print(before, with_pool, released, after, tasks())
+"""
+
+
+def test_release_thread_pool_ends_the_calling_threads_openmp_workers():
+    # engine serve loads the model on the main thread and steps on a loop thread: two libgomp pools mean more
+    # threads than CPUs and throttled (sleeping) waits; releasing the loading thread's pool leaves one
+    out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    before, with_pool, released, after, again = out.stdout.split()
+    assert released == "True"
+    assert int(with_pool) == int(before) + 2 and int(after) == int(before) and int(again) == int(with_pool)

@@ -58,3 +58,18 @@ def test_serve_adapts_threads_on_cpu_by_default_and_not_when_told_or_elsewhere()
     assert _thread_share(_Engine("cpu"), _args("--no-adapt-threads")) is None
     assert _thread_share(_Engine("cuda:0"), _args()) is None
     assert _thread_share(_Engine("cpu", tp=2), _args()) is None  # each worker process steps its own shard
+
+
+def test_start_releases_the_starting_threads_openmp_pool_before_the_loop_runs():
+    engine = tiny_chat_engine(byte_level_tokenizer())
+    seen: list[tuple[str, bool]] = []
+
+    def release() -> bool:
+        loop_running = any(t.name == "pagedkv-engine" for t in threading.enumerate())
+        seen.append((threading.current_thread().name, loop_running))
+        return True
+
+    owner = AsyncEngine(engine, release_pool=release)
+    owner.start()
+    owner.stop()
+    assert seen == [(threading.current_thread().name, False)]  # on the loading thread, the loop not yet started
