@@ -11,50 +11,70 @@ own figure when a neighbour burned a core, where libgomp's short spin for an ove
 
 But on a quiet machine sleeping waits cost every parallel region a futex wake-up: a bf16 batch-1 step on the
 quiet 2-core machine took 14.6 ms passive against 8.8 ms spinning (1.66x; 2 threads, ~150 regions a step).
-So the passive policy is asked for only where the machine is already busy when pagedkv starts (the 1-minute
-load average at least half the CPUs this process may use: a neighbour holding a core of two); a dedicated
-machine keeps libgomp's spin, as vLLM's CPU backend does with its bound threads. The user's own
-OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins (``OMP_WAIT_POLICY=PASSIVE`` on a machine that becomes shared
-later). libgomp reads these once, when it loads: ``import pagedkv`` first.
+So the passive policy is asked for only where the machine is busy when pagedkv starts (other processes
+keeping at least 35% of the CPUs this process may use busy during a 0.1 s look at import: a neighbour holding
+a core of two); a dedicated machine keeps libgomp's spin, as vLLM's CPU backend does with its bound threads.
+Load that comes later is ``engine serve``'s thread share's to follow (``core/thread_share.py``: fewer
+threads, so no barrier waits on a descheduled one). The user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always
+wins. libgomp reads these once, when it loads: ``import pagedkv`` first.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping, MutableMapping
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 WAIT_POLICY = "PASSIVE"
 USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-BUSY_SHARE = 0.5  # load average / usable CPUs from which the machine counts as shared
+BUSY_SHARE = 0.35  # cores other processes keep busy / usable CPUs from which the machine counts as shared
+SAMPLE_S = 0.1  # how long the machine is watched at import
 
 
 def wait_env(environ: Mapping[str, str], load: float, cpus: int) -> dict[str, str]:
-    """The variables pagedkv adds to ``environ`` given the machine's 1-minute ``load`` and the ``cpus`` this
-    process may use: none where the user chose a wait policy or spin count, or where the machine is quiet."""
+    """The variables pagedkv adds to ``environ`` given ``load`` (the cores other processes keep busy) and the
+    ``cpus`` this process may use: none where the user chose a wait policy or spin count, or where the machine
+    is quiet."""
     if any(name in environ for name in USER_KNOBS) or load < BUSY_SHARE * max(1, cpus):
         return {}
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
-def machine_load() -> tuple[float, int]:
-    """The 1-minute load average and the CPUs this process may run on (0 load where the OS has no load average)."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = 0.0
+def machine_load(sample_s: float = SAMPLE_S, sample: Callable[[], Any] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> tuple[float, int]:
+    """The cores other processes keep busy now (watched for ``sample_s``: ``/proc/stat`` less this process; the
+    1-minute load average where ``/proc`` cannot be read) and the CPUs this process may run on.
+
+    Not the load average alone: it trails by a minute, so a server started just after a benchmark (or a peer
+    server) had stopped counted the machine as shared and slept at every barrier (a served Q4_1 batch-1 stream
+    at 65 tok/s instead of 114, benchmarks/JOURNAL.md, issue 43)."""
+    from pagedkv.core.thread_share import others_cores, read_cpu_sample
+
+    sample = sample or read_cpu_sample
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return load, cpus
+    before = sample()
+    if before is not None:
+        sleep(sample_s)
+        after = sample()
+        others = others_cores(before, after) if after is not None else None
+        if others is not None:
+            return others, cpus
+    try:
+        return os.getloadavg()[0], cpus
+    except (AttributeError, OSError):
+        return 0.0, cpus
 
 
 ADDED: dict[str, str] = {}  # what apply() put in the process's environment
 
 
 def apply(environ: MutableMapping[str, str] = os.environ, load: tuple[float, int] | None = None) -> dict[str, str]:
-    """Add :func:`wait_env` to ``environ`` (the process's by default; ``load``: (load average, cpus), measured
-    now by default); returns what was added."""
+    """Add :func:`wait_env` to ``environ`` (the process's by default; ``load``: (others' busy cores, cpus),
+    measured now by default); returns what was added."""
     added = wait_env(environ, *(load or machine_load()))
     environ.update(added)
     if environ is os.environ:

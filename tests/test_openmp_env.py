@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pagedkv import openmp_env
 
 BUSY, QUIET = (1.0, 2), (0.2, 2)  # a neighbour holding one core of two; a dedicated machine
@@ -95,3 +97,23 @@ def test_release_thread_pool_ends_the_calling_threads_openmp_workers():
     before, with_pool, released, after, again = out.stdout.split()
     assert released == "True"
     assert int(with_pool) == int(before) + 2 and int(after) == int(before) and int(again) == int(with_pool)
+
+
+def test_the_machine_is_watched_now_not_through_the_trailing_load_average():
+    # a neighbour that stopped a moment ago still holds the 1-minute load average up: the look at import counts
+    # what other processes keep busy during it (this process's own time left out), from injected counters
+    from pagedkv.core.thread_share import CpuSample
+
+    samples = iter([CpuSample(busy=0, total=0, own=0, cpus=2), CpuSample(busy=18, total=20, own=9, cpus=2)])
+    slept = []
+    busy, cpus = openmp_env.machine_load(0.1, sample=lambda: next(samples), sleep=slept.append)
+    assert busy == pytest.approx(0.9) and slept == [0.1] and cpus >= 1  # 1.8 cores busy, 0.9 of them ours
+    assert openmp_env.wait_env({}, busy, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    idle = iter([CpuSample(busy=0, total=0, own=0, cpus=2), CpuSample(busy=10, total=20, own=9, cpus=2)])
+    assert openmp_env.machine_load(0.1, sample=lambda: next(idle), sleep=slept.append)[0] == pytest.approx(0.1)
+    assert openmp_env.wait_env({}, 0.1, 2) == {}
+
+
+def test_without_proc_counters_the_load_average_decides():
+    load, _ = openmp_env.machine_load(0.1, sample=lambda: None, sleep=lambda s: None)
+    assert load == pytest.approx(os.getloadavg()[0], abs=2.0)
