@@ -90,9 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--structured-outputs-allow-additional-properties", action="store_true",
       help="compile JSON schemas as given: an object schema that leaves additionalProperties unset lets the model "
       "add unlisted keys (default: off: such keys are forbidden, as by vLLM's default grammar backend)")
-    a("--adapt-threads", action=argparse.BooleanOptionalAction, default=True,
+    a("--adapt-threads", action=argparse.BooleanOptionalAction, default=False,
       help="on CPU, step with fewer threads while other processes keep cores busy, back up when they stop "
-      "(each step's threads wait for each other: one descheduled thread stalls all) (default: %(default)s)")
+      "(each step's threads wait for each other: one descheduled thread stalls all); off by default: a client on "
+      "the same machine counts as such a process (default: %(default)s)")
     add_engine_arguments(parser, prefix_caching=True)
 
 
