@@ -289,14 +289,7 @@ void run_unit(const Params& p, const Unit& u, Scratch& w) {
     const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
     T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * d;
     const float* am = w.acc.data() + static_cast<int64_t>(r) * d;
-    const float inv = w.row_sum[r] > 0.0f ? 1.0f / w.row_sum[r] : 0.0f;
-    for (int x = 0; x < d; ++x) {
-      const float o = am[x] * inv;
-      if constexpr (sizeof(T) == sizeof(float))
-        dst[x] = o;
-      else
-        dst[x] = float_to_bf16(o);
-    }
+    store_normalized(dst, am, w.row_sum[r], d);
   }
 }
 

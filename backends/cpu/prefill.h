@@ -222,15 +222,7 @@ void run_prefill_unit(const Params& p, const Unit& u, PrefillScratch& w) {
     const int t = u.t0 + m / G, h = (u.h0 + r / M) * G + m % G;
     T* dst = obase + (static_cast<int64_t>(qs + t) * p.num_heads + h) * DT;
     const float* am = w.acc.data() + static_cast<int64_t>(r) * DT;
-    const float sum = add_lanes(load(w.row_sum.data() + static_cast<int64_t>(r) * kLanes));
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int x = 0; x < DT; ++x) {
-      const float o = am[x] * inv;
-      if constexpr (sizeof(T) == sizeof(float))
-        dst[x] = o;
-      else
-        dst[x] = float_to_bf16(o);
-    }
+    store_normalized(dst, am, add_lanes(load(w.row_sum.data() + static_cast<int64_t>(r) * kLanes)), DT);
   }
 }
 
