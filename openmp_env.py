@@ -52,10 +52,10 @@ def machine_load(sample_s: float = SAMPLE_S, sample: Callable[[], Any] | None = 
     Not the load average alone: it trails by a minute, so a server started just after a benchmark (or a peer
     server) had stopped counted the machine as shared and slept at every barrier (a served Q4_1 batch-1 stream
     at 65 tok/s instead of 114, benchmarks/JOURNAL.md, issue 43)."""
-    from pagedkv.core.thread_share import others_cores, read_cpu_sample
+    from pagedkv.core.thread_share import others_cores, read_cpu_sample, usable_cpus
 
     sample = sample or read_cpu_sample
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     before = sample()
     if before is not None:
         sleep(sample_s)

@@ -86,7 +86,7 @@ class ThreadShare:
                  sample: Callable[[], CpuSample | None] = read_cpu_sample,
                  clock: Callable[[], float] = time.monotonic, window_s: float = 1.0, confirm: int = 2) -> None:
         self.max_threads = max(1, max_threads)
-        self.usable = usable if usable is not None else _usable_cpus()
+        self.usable = usable if usable is not None else usable_cpus()
         self.threads = self.max_threads
         self._set_threads = set_threads
         self._sample = sample
@@ -119,5 +119,6 @@ class ThreadShare:
             self.changes += 1
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
